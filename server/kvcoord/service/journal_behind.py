@@ -63,9 +63,12 @@ def journal_behind(registry: PoolRegistry, decision: StartupDecision, why: str) 
         service.grace_until = until
     if unwritten is not None:
         _grace_unwritten(decision, unwritten)
+    # (grace.json's generation, when this journal is short of it by more than one: one
+    # fencing begins it, not one per restart: JournalPositions.next_generation)
+    at_least = decision.restore_generation
     if not registry.locks.any_busy():
         try:
-            fence_restored(registry, recorder)
+            fence_restored(registry, recorder, at_least)
         except RestoreFenceError as exc:
             logger.critical("%s", exc)
             raise ServiceError(Status.INTERNAL, str(exc)) from None
@@ -77,7 +80,7 @@ def journal_behind(registry: PoolRegistry, decision: StartupDecision, why: str) 
     # sessions end once no pool is held (nothing awaits between wait_all's return and
     # the fencing, so no Step starts in between).
     void_earlier_instances(registry)
-    task = asyncio.get_running_loop().create_task(_fence_when_idle(registry, recorder))
+    task = asyncio.get_running_loop().create_task(_fence_when_idle(registry, recorder, at_least))
     registry.fencing = task  # (awaited before INSTANCE_CHANGED is told: PoolRegistry.fenced)
     _FENCING.add(task)
     task.add_done_callback(_FENCING.discard)
@@ -107,9 +110,9 @@ def _grace_unwritten(decision: StartupDecision, exc: OSError) -> NoReturn:
 _FENCING: set[asyncio.Task[None]] = set()
 
 
-async def _fence_when_idle(registry: PoolRegistry, recorder: JournalRecorder) -> None:
+async def _fence_when_idle(registry: PoolRegistry, recorder: JournalRecorder, at_least: int) -> None:
     await registry.locks.wait_all()
     try:
-        fence_restored(registry, recorder)
+        fence_restored(registry, recorder, at_least)
     except RestoreFenceError as exc:
         logger.critical("%s", exc)

@@ -193,11 +193,15 @@ class JournalPositions:
         if tag == self.tag(instance_id, position, generation):
             self.generations[instance_id] = generation
 
-    def next_generation(self) -> int:
+    def next_generation(self, at_least: int = 0) -> int:
         """A restore is proven: instances started from now on tag under a new key
         (the ``restored`` record names the generation it begins; an instance serving
-        now keeps its own)."""
-        self.generation += 1
+        now keeps its own). ``at_least``: the generation grace.json names, when this
+        journal is short of it by more than one (put back from an older copy beside a
+        newer grace.json): one fencing ends everything, so it begins that generation at
+        once (startup.py, ``unfenced_restore``; was one fencing, and a new full grace,
+        per restart until the journal got there)."""
+        self.generation = max(self.generation + 1, at_least)
         return self.generation
 
     def ended(self, last_seq: int) -> None:

@@ -234,6 +234,7 @@ def open_journal(
     wall_clock: Callable[[], float] = time.time,
     make_recorder: type[JournalRecorder] = JournalRecorder,
     before_fencing: Callable[[str], None] | None = None,
+    fence_generation: int = 0,
 ) -> Recovery:
     """Recover ``registry`` (empty) from ``data_dir`` and journal from now on.
 
@@ -245,7 +246,8 @@ def open_journal(
     (:func:`fence_restored`) after ``before_fencing(why)`` returns: the caller makes
     the grace period durable there. Once the fencing's records are committed the
     journal is no longer behind, so a start that fails (or a crash) after them would
-    otherwise forget the restore and serve with no grace.
+    otherwise forget the restore and serve with no grace. ``fence_generation``: the
+    restore generation grace.json names (the fencing begins it at least).
 
     Raises:
         JournalError: an incompatible or damaged journal or snapshot (names the file),
@@ -333,7 +335,7 @@ def open_journal(
         )  # fmt: skip
         if before_fencing is not None:
             before_fencing(store.behind)
-        fence_restored(registry, recorder)
+        fence_restored(registry, recorder, fence_generation)
     # the instance's start (and its restore generation) is known before its record is
     # appended: a snapshot that record triggers holds it, so the answers after it
     # replay tagged under the key they were told with (positions.py)
@@ -372,7 +374,7 @@ def void_earlier_instances(registry: PoolRegistry) -> list[str]:
     return voided
 
 
-def fence_restored(registry: PoolRegistry, recorder: JournalRecorder) -> None:
+def fence_restored(registry: PoolRegistry, recorder: JournalRecorder, at_least: int = 0) -> None:
     """After a restored (older) journal: a client may hold blocks this state has never
     given it, and a cached hash may name a block since overwritten. So no earlier fence
     stays valid (a live worker's next call fails INSTANCE_CHANGED, its heartbeat
@@ -384,6 +386,8 @@ def fence_restored(registry: PoolRegistry, recorder: JournalRecorder) -> None:
     is no longer behind, so nothing else would bring the grace back), and calls this
     while no Step is applied in slices to any pool (pool_locks.py).
 
+    ``at_least``: the restore generation grace.json names (JournalPositions.next_generation).
+
     Every pool is tried, then:
 
     Raises:
@@ -393,7 +397,7 @@ def fence_restored(registry: PoolRegistry, recorder: JournalRecorder) -> None:
     # each change before its record, as everywhere: a snapshot the record starts holds
     # the state after it (and replay skips the records a snapshot covers). Nothing here
     # awaits, so the records go to the journal in one commit.
-    recorder.restored(void_earlier_instances(registry), registry.positions.next_generation())
+    recorder.restored(void_earlier_instances(registry), registry.positions.next_generation(at_least))
     for s in list(registry.sessions.sessions.values()):
         registry.end_session(s)
         recorder.session_expired(s.session_id, s.pool)

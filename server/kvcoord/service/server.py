@@ -304,7 +304,7 @@ async def _start(
             registry, st.data_dir, st.synchronous, st.snapshot_every, wall_clock,
             make_recorder=StoreRecorder if store else JournalRecorder,
             # a restore found: the grace is durable before its first record (recovery.py)
-            before_fencing=decision.restored_at_start,
+            before_fencing=decision.restored_at_start, fence_generation=decision.restore_generation,
         )  # fmt: skip
         if recovery.restored:
             # The journal may be behind what clients were told (recovery.py ended and

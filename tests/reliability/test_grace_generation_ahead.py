@@ -1,0 +1,64 @@
+"""A start whose grace.json names a restore generation more than one past its journal's.
+
+grace.json names the restore generation a proven restore's fencing begins; a start whose
+journal has not reached it (killed before the fencing committed) fences before it
+answers (startup.py, ``unfenced_restore``). A journal two or more generations short of
+it (the journal put back from an older copy while grace.json stayed, or a copy whose
+grace.json was taken after its journal) was fenced once per start, one generation at a
+time: each restart inside the grace fenced again and began a new full grace, until the
+journal reached grace.json's generation. One fencing ends every session and fence there
+is and empties every cache: the start that fences now begins grace.json's generation at
+once, and the next start finds nothing to fence.
+
+Real server process, real files: two restores declared with ``kvcoord serve --restored``
+(generations 1 and 2), then the journal of a copy taken before them put back beside
+that grace.json; SIGKILL restarts.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+from durable_server import attach, leased_server, refused_for_grace, step_allocate
+from kvcoord.client import KVCoordClient
+
+LEASE = 30.0
+#: what journal_behind logs when it fences
+FENCED = "the journal is behind what clients were told"
+
+
+def test_a_journal_two_generations_short_of_the_grace_is_fenced_once(tmp_path: Path) -> None:
+    server = leased_server(tmp_path, LEASE, 64)
+    copy = tmp_path / "copy"
+    try:
+        server.start()
+        with KVCoordClient(server.address) as c:
+            a = attach(c, "worker-a", LEASE)
+            step_allocate(c, a, "a1", 8)
+        server.stop()
+        subprocess.run(["cp", "-a", str(server.data_dir), str(copy)], check=True)
+        for _ in range(2):  # two restores declared: generations 1, then 2
+            server.start(args=("--restored",))
+            assert FENCED in server.log()
+            server.kill()
+        grace = (server.data_dir / "grace.json").read_text()
+        assert '"restore_generation": 2' in grace, grace
+        # the journal put back from the copy (generation 0), grace.json left as it is
+        shutil.rmtree(server.data_dir)
+        subprocess.run(["cp", "-a", str(copy), str(server.data_dir)], check=True)
+        (server.data_dir / "grace.json").write_text(grace)
+        fenced = []
+        for _ in range(3):
+            server.start()
+            fenced.append(FENCED in server.log())
+            assert refused_for_grace(server.address, LEASE)  # the grace runs throughout
+            server.kill()
+        assert fenced == [True, False, False], fenced  # (was [True, True, False])
+        server.start()
+        with KVCoordClient(server.address) as c:  # the copy's session ended with the fencing
+            assert not c.list_sessions("p").sessions
+            assert not c.inspect_pool("p", all_requests=True).requests
+    finally:
+        server.stop()

@@ -78,3 +78,37 @@ def test_a_worker_of_the_pool_made_again_proves_the_restore(tmp_path: Path) -> N
                 raise AssertionError("a's session of the copy outlived the proven restore")
     finally:
         server.stop()
+
+
+def test_a_worker_of_the_deleted_incarnation_proves_nothing_without_a_restore(tmp_path: Path) -> None:
+    """Pins the safe side of checking the position first: no restore, the server only
+    restarted. Worker a's pool is deleted and made again (worker b allocates in it), the
+    server is SIGKILLed and restarted on its own data directory; a's next Step, with the
+    fence of the deleted incarnation and a position the journal holds, is refused
+    INCARNATION_CHANGED and fences nothing: b's session and request stand, Attach is open."""
+    server = leased_server(tmp_path, LEASE, 64)
+    server.start()
+    try:
+        with KVCoordClient(server.address) as c:
+            a = attach(c, "worker-a", LEASE)
+            step_allocate(c, a, "a1", 8)
+            a.fence.CopyFrom(c.step("p", [], a.session_id, a.fence).fence)
+            assert a.fence.position > 0 and a.fence.position_tag
+            config = c.get_pool("p").pool.config
+            c.delete_pool("p")
+            c.create_pool("p", config)
+            b = attach(c, "worker-b", LEASE)
+            step_allocate(c, b, "b1", 8)
+        server.restart()
+        with KVCoordClient(server.address, retry=NO_RETRY) as c:
+            try:
+                step_allocate(c, a, "a2", 4)
+            except FencedError as err:
+                assert err.reason == "INCARNATION_CHANGED", err
+            else:
+                raise AssertionError("a Step of the deleted incarnation was served")
+            c.heartbeat(b.session_id, b.fence)
+            assert [r.request_id for r in c.inspect_pool("p", all_requests=True).requests] == ["b1"]
+            assert not refused_for_grace(server.address, LEASE)
+    finally:
+        server.stop()

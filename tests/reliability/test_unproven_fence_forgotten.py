@@ -10,6 +10,8 @@ again (every call of its manager raised FenceUnprovenError, for ever). Now the k
 forgets the refused position when its Attach is refused (the caller is told, the error
 logged), and the next Attach names no previous fence.
 
+Both managers (the waiting one loses its session when its lease lapses, its renewals
+refused too; the predicting one at the call after its background Step was refused).
 Real server process restarted on its data directory (so the fence's instance is an
 earlier one whose last record the journal knows); the position is corrupted where it
 happens, in a channel interceptor on one Step answer (unary Steps: step_stream off).
@@ -25,7 +27,7 @@ from typing import Any
 import grpc
 import pytest
 from durable_server import leased_server
-from kvcoord.client import KVCoordClient, RemoteKVCacheManager
+from kvcoord.client import KVCoordClient, PredictingKVCacheManager, RemoteKVCacheManager
 from kvcoord.client.errors import FenceUnprovenError, KVCoordError, RequestsLostError
 from kvcoord.v1 import allocator_pb2 as pb
 from support import hashed_req
@@ -104,6 +106,49 @@ def test_a_refused_previous_fence_is_forgotten_and_the_worker_attaches_again(
             assert corrupt.attaches[-2].previous_fence.position > 2**40
             sessions = [s.session_id for s in operator.list_sessions("p").sessions]
             assert sessions == [m.keeper.session_id] and old_session not in sessions
+            m.close()
+    finally:
+        server.stop()
+
+
+def test_the_predicting_manager_attaches_again_too(tmp_path: Path) -> None:
+    """The same with the predicting manager (its Steps sent from its background thread,
+    its session exclusive): its Step refused FENCE_UNPROVEN loses the session at the
+    next call, whose Attach is refused for the corrupted fence, loudly; the call after
+    attaches without a previous fence and allocation goes on. (Before: every call
+    refused, for ever.)"""
+    server = leased_server(tmp_path, LEASE, 64)
+    server.start()
+    corrupt = _CorruptOneStepFence()
+    try:
+        with KVCoordClient(server.address, timeout=10, interceptors=[corrupt], step_stream=False) as c, \
+             KVCoordClient(server.address, timeout=10) as operator:  # fmt: skip
+            m = PredictingKVCacheManager(c, "p", hash_seed="0", renew=False, lease_seconds=LEASE)
+            assert m.allocate_slots(hashed_req("r0", list(range(16))), 16) is not None
+            m.flush()
+            corrupt.armed = True
+            assert m.allocate_slots(hashed_req("r1", list(range(100, 116))), 16) is not None
+            m.flush()
+            assert not corrupt.armed and m.keeper.fence.position > 2**40  # adopted
+            server.restart()
+            outcomes: list[str] = []
+            for i in range(2, 12):  # bounded
+                try:
+                    allocated = m.allocate_slots(hashed_req(f"r{i}", list(range(200 * i, 200 * i + 16))), 16)
+                    m.flush()
+                except KVCoordError as err:
+                    cause = err.cause if isinstance(err, RequestsLostError) else err
+                    outcomes.append(f"{type(err).__name__}({type(cause).__name__})")
+                    continue
+                assert allocated is not None
+                outcomes.append("allocated")
+                if outcomes.count("allocated") == 2:  # (the first may be predicted before a loss)
+                    break
+            assert outcomes[-2:] == ["allocated", "allocated"], outcomes
+            assert any(FenceUnprovenError.__name__ in o for o in outcomes), outcomes
+            assert not corrupt.attaches[-1].HasField("previous_fence")
+            assert corrupt.attaches[-2].previous_fence.position > 2**40
+            assert [s.session_id for s in operator.list_sessions("p").sessions] == [m.keeper.session_id]
             m.close()
     finally:
         server.stop()

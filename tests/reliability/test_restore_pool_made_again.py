@@ -14,7 +14,9 @@ SIGKILL.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
+import pytest
 from durable_server import (
     attach,
     copy_volume,
@@ -23,8 +25,9 @@ from durable_server import (
     restore_volume,
     step_allocate,
 )
-from kvcoord.client import NO_RETRY, KVCoordClient
+from kvcoord.client import NO_RETRY, KVCoordClient, NotFoundError
 from kvcoord.client.errors import FencedError, GracePeriodError, SessionExpiredError
+from kvcoord.v1 import allocator_pb2 as pb
 
 LEASE = 4.0
 
@@ -112,3 +115,64 @@ def test_a_worker_of_the_deleted_incarnation_proves_nothing_without_a_restore(tm
             assert not refused_for_grace(server.address, LEASE)
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("call", ["step", "attach"])
+def test_a_worker_of_a_pool_the_copy_lacks_proves_the_restore(tmp_path: Path, call: str) -> None:
+    """Pool q is created after the volume copy and worker w allocates 48 tokens in it;
+    the copy is restored. w's Step (or, its session lost, its Attach naming the fence it
+    held) finds no pool q: its position is proven first (INSTANCE_CHANGED), and no worker
+    attaches inside the grace, so a q made again hands nobody w's blocks meanwhile.
+    (Before: NOT_FOUND, nothing proven; q made again at once, worker c attached and was
+    handed w's blocks.)"""
+    server = leased_server(tmp_path, LEASE, 64)
+    server.start()
+    copy = tmp_path / "snap"
+    try:
+        with KVCoordClient(server.address) as c:
+            a = attach(c, "worker-a", LEASE)
+            step_allocate(c, a, "a1", 8)
+            copy_volume(server, copy)
+            config = c.get_pool("p").pool.config
+            c.create_pool("q", config)
+            w = c.attach("q", "sha256_cbor", 4, "0", "worker-w", lease_seconds=LEASE)
+            held_by_w = _allocate_in(c, "q", w, "w1", 48)
+            w.fence.CopyFrom(c.step("q", [], w.session_id, w.fence).fence)  # a position the copy lacks
+        restore_volume(server, copy)
+        server.start()
+        with KVCoordClient(server.address, retry=NO_RETRY) as c:
+            try:
+                if call == "step":
+                    _allocate_in(c, "q", w, "w2", 4)
+                else:
+                    c.attach(
+                        "q", "sha256_cbor", 4, "0", "worker-w", lease_seconds=LEASE, previous_fence=w.fence
+                    )
+            except FencedError as err:
+                assert err.reason == "INSTANCE_CHANGED", err
+            except NotFoundError as err:
+                raise AssertionError(f"the restore went unproven: {err}") from None
+            c.create_pool("q", config)  # made again (an operator, a deployment)
+            try:
+                cs = c.attach("q", "sha256_cbor", 4, "0", "worker-c", lease_seconds=LEASE)
+                given = _allocate_in(c, "q", cs, "c1", 48)
+            except GracePeriodError:
+                given = []
+            assert not set(given) & set(held_by_w), (
+                f"blocks {sorted(set(given) & set(held_by_w))} handed out twice"
+            )
+            assert refused_for_grace(server.address, LEASE)
+    finally:
+        server.stop()
+
+
+def _allocate_in(c: KVCoordClient, pool: str, session: Any, rid: str, num_tokens: int) -> list[int]:
+    """:func:`step_allocate` in ``pool``: ``rid``'s new block ids."""
+    sync = pb.RequestSync(
+        request_id=rid, append_token_ids=list(range(num_tokens)), new_request=True,
+        append_block_hashes=[f"{rid}-{i}".encode().ljust(32, b".") for i in range(num_tokens // 4)],
+    )  # fmt: skip
+    op = pb.Operation(allocate=pb.AllocateOp(request=sync, num_new_tokens=num_tokens))
+    result = c.step(pool, [op], session.session_id, session.fence).results[0]
+    assert result.status_code == 0, result
+    return list(result.allocate.new_block_ids[0].block_ids)

@@ -153,7 +153,7 @@ class MutationRunner(PoolTurns):
         await registry.locks.acquire(pool)  # a Step applied to it in slices ends first
         held = True
         try:
-            service = registry.get(pool)
+            service = registry.get(pool, fence)  # (a pool made after a restored copy: proven first)
             s = service.session(request.session_id, fence)
             if request.abandoned:  # its client's given-up calls: tombstones first (its record has them)
                 registry.idempotency.abandon(s.session_id, key, abandoned_calls(request))

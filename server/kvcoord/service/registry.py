@@ -271,18 +271,23 @@ class PoolRegistry:
         )
         return service, True
 
-    def get(self, name: str) -> PoolService:
-        """The pool called ``name``.
+    def get(self, name: str, fence: Fence | None = None) -> PoolService:
+        """The pool called ``name``. When it does not exist, the position of a fenced
+        call's ``fence`` is proven first (JournalPositions.prove): a pool made after a
+        restored copy was taken is unknown to the copy, and NOT_FOUND proved nothing.
 
         Raises:
-            ServiceError: INVALID_ARGUMENT without a name, NOT_FOUND for an unknown one,
-                NOT_OWNER / UNAVAILABLE when another replica serves it (placement).
+            ServiceError: INVALID_ARGUMENT without a name, NOT_FOUND for an unknown one
+                (INSTANCE_CHANGED, FENCE_UNPROVEN: see the prove), NOT_OWNER /
+                UNAVAILABLE when another replica serves it (placement).
         """
         if not name:
             raise ServiceError(Status.INVALID, "pool is required")
         service = self.pools.get(name)
         self.placement.check(name, service is not None)
         if service is None:
+            if fence is not None:
+                self.positions.prove(fence, self.instance_id, self.lineage)
             # Never list the pools here: callers of several tenants reach this, and a
             # pool's name is visible only to tenants holding a role on it (ListPools).
             raise ServiceError(
@@ -291,12 +296,13 @@ class PoolRegistry:
             )
         return service
 
-    def for_attach(self, name: str) -> PoolService:
-        """The pool called ``name`` (see :meth:`get`), its sessions whose lease ran out
+    def for_attach(self, name: str, previous: Fence | None = None) -> PoolService:
+        """The pool called ``name`` (see :meth:`get`; ``previous``: the Attach's previous
+        fence, proven there when the pool does not exist), its sessions whose lease ran out
         but which were not reaped yet ended first, as the reaper would end them: an
         Attach decides on live sessions only (a lapsed exclusive session would refuse
         every Attach, its own client's too, until the reaper ran)."""
-        service = self.get(name)
+        service = self.get(name, previous)
         for s in self.sessions.expired(name):
             self.run_expiry(s.pool, self.expiring(s))
         return service

@@ -82,12 +82,11 @@ class SessionCalls(ServicerCore):
 
     @map_errors
     async def Attach(self, request: pb.AttachRequest, context: grpc.aio.ServicerContext) -> pb.AttachResponse:
-        service = self.registry.for_attach(request.pool)
+        previous = fence_from_pb(request.previous_fence, request.HasField("previous_fence"))
+        service = self.registry.for_attach(request.pool, previous)  # (no such pool: proven there)
         # a worker attaching again: the fence it held proves a restore first (as its Step
         # would have: attached anew it would be handed the lost history's blocks)
-        self.registry.attaching_again(
-            fence_from_pb(request.previous_fence, request.HasField("previous_fence"))
-        )
+        self.registry.attaching_again(previous)
         while (ending := self.expiring.get(service.name)) is not None and not ending.done():
             # a lapsed session's requests are freed in slices: its end, then this Attach
             # (after the calls waiting for the pool meanwhile, as any call on it; its

@@ -59,10 +59,11 @@ whose tag does not verify is refused (INVALID_ARGUMENT, FENCE_UNPROVEN) and chan
 nothing; positions the journal holds need no tag (they prove nothing: clients of a
 kvcoord without tags send them untagged). The incarnation is not in the tag: a
 position is a record of the journal, whichever pool's answer told it; so a fence's
-position is checked before its incarnation (PoolService.check_fence): a worker of a
-pool deleted and created again after the copy was made holds positions the copy lacks,
-and refused INCARNATION_CHANGED first its call proved nothing (the next worker to
-attach was handed the blocks it still held).
+position is checked before its incarnation (PoolService.check_fence), and before
+NOT_FOUND for a pool the server does not have (PoolRegistry.get): a worker of a pool
+deleted and created again after the copy was made, or created after it, holds
+positions the copy lacks, and refused INCARNATION_CHANGED or NOT_FOUND first its call
+proved nothing (the next worker to attach was handed the blocks it still held).
 
 A Step's, Allocate's or Free's position is checked before its session
 (PoolService.session), and so is a Heartbeat's or a Detach's when the session is not

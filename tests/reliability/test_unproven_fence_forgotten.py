@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -53,62 +55,80 @@ class _CorruptOneStepFence(grpc.UnaryUnaryClientInterceptor):  # type: ignore[mi
         return outcome
 
 
-def test_a_refused_previous_fence_is_forgotten_and_the_worker_attaches_again(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    """The manager adopts a corrupted position; the server restarts (the session kept:
-    journaled). Its calls are refused FENCE_UNPROVEN until its lease lapses (its renewals
-    are refused too), which loses the session; the Attach that follows names the
-    corrupted fence and is refused, loudly. The next call attaches without a previous
-    fence, the old session is ended by its Detach, and allocation goes on. (Before: the
-    Attach was refused at every call, with the same fence, without end.)"""
+@contextmanager
+def _told_a_corrupted_position(
+    tmp_path: Path, kind: str
+) -> Iterator[tuple[Any, _CorruptOneStepFence, KVCoordClient]]:
+    """A server process; a manager of ``kind`` ("waiting", "predicting") allocates r0,
+    then r1, whose Step answer's position is corrupted (the manager adopts it); the
+    server is SIGKILLed and restarted on its data directory (the session kept:
+    journaled). Yields the manager, the interceptor and an operator's client."""
     server = leased_server(tmp_path, LEASE, 64)
     server.start()
     corrupt = _CorruptOneStepFence()
     try:
         with KVCoordClient(server.address, timeout=10, interceptors=[corrupt], step_stream=False) as c, \
              KVCoordClient(server.address, timeout=10) as operator:  # fmt: skip
-            m = RemoteKVCacheManager(c, "p", hash_seed="0", renew=False, lease_seconds=LEASE)
-            assert m.allocate_slots(hashed_req("r0", list(range(16))), 16) is not None
-            corrupt.armed = True
-            assert m.allocate_slots(hashed_req("r1", list(range(100, 116))), 16) is not None
+            make = RemoteKVCacheManager if kind == "waiting" else PredictingKVCacheManager
+            m = make(c, "p", hash_seed="0", renew=False, lease_seconds=LEASE)
+            for rid, first, armed in (("r0", 0, False), ("r1", 100, True)):
+                corrupt.armed = armed
+                assert m.allocate_slots(hashed_req(rid, list(range(first, first + 16))), 16) is not None
+                m.flush()  # (the predicting manager's Step answered: its fence adopted)
             assert not corrupt.armed and m.keeper.fence.position > 2**40  # adopted
             old_session = m.keeper.session_id
             server.restart()
             assert [s.session_id for s in operator.list_sessions("p").sessions] == [old_session]
-            outcomes: list[str] = []
-            deadline = time.monotonic() + 6 * LEASE
-            for i in range(2, 60):  # bounded: the lease lapses after LEASE s
-                try:
-                    allocated = m.allocate_slots(hashed_req(f"r{i}", list(range(200 * i, 200 * i + 16))), 16)
-                except KVCoordError as err:
-                    cause = err.cause if isinstance(err, RequestsLostError) else err
-                    outcomes.append(f"{type(err).__name__}({type(cause).__name__})")
-                    if time.monotonic() > deadline:
-                        break
-                    time.sleep(0.25)
-                    continue
-                assert allocated is not None
-                outcomes.append("allocated")
-                break
-            assert outcomes[-1] == "allocated", outcomes
-            # the caller was told at every call: its Steps refused, then its requests lost
-            unproven = f"{FenceUnprovenError.__name__}({FenceUnprovenError.__name__})"
-            assert outcomes[0] == unproven and "RequestsLostError(LeaseExpiredError)" in outcomes, outcomes
-            assert set(outcomes[:-1]) <= {unproven, "RequestsLostError(LeaseExpiredError)"}, outcomes
-            # the refused Attach (inside the loss) is logged as an error
-            assert any(
-                r.levelno == logging.ERROR and "refused the fence's journal position" in r.getMessage()
-                for r in caplog.records
-            ), caplog.text
+            yield m, corrupt, operator
             # the Attach that succeeded named no previous fence; the one before named the corrupted one
             assert not corrupt.attaches[-1].HasField("previous_fence")
             assert corrupt.attaches[-2].previous_fence.position > 2**40
-            sessions = [s.session_id for s in operator.list_sessions("p").sessions]
-            assert sessions == [m.keeper.session_id] and old_session not in sessions
+            assert [s.session_id for s in operator.list_sessions("p").sessions] == [m.keeper.session_id]
+            assert m.keeper.session_id != old_session
             m.close()
     finally:
         server.stop()
+
+
+def _allocate(m: Any, i: int) -> str:
+    """Manager ``m`` allocates request r<i> (16 tokens): "allocated", or the error it
+    raised as "Error(cause)"."""
+    try:
+        allocated = m.allocate_slots(hashed_req(f"r{i}", list(range(200 * i, 200 * i + 16))), 16)
+        m.flush()
+    except KVCoordError as err:
+        cause = err.cause if isinstance(err, RequestsLostError) else err
+        return f"{type(err).__name__}({type(cause).__name__})"
+    assert allocated is not None
+    return "allocated"
+
+
+def test_a_refused_previous_fence_is_forgotten_and_the_worker_attaches_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The waiting manager's calls are refused FENCE_UNPROVEN until its lease lapses (its
+    renewals are refused too), which loses the session; the Attach that follows names
+    the corrupted fence and is refused, loudly. The next call attaches without a
+    previous fence, the old session is ended by its Detach, and allocation goes on.
+    (Before: the Attach was refused at every call, with the same fence, without end.)"""
+    with _told_a_corrupted_position(tmp_path, "waiting") as (m, _, _):
+        outcomes: list[str] = []
+        deadline = time.monotonic() + 6 * LEASE
+        for i in range(2, 60):  # bounded: the lease lapses after LEASE s
+            outcomes.append(_allocate(m, i))
+            if outcomes[-1] == "allocated" or time.monotonic() > deadline:
+                break
+            time.sleep(0.25)
+        assert outcomes[-1] == "allocated", outcomes
+        # the caller was told at every call: its Steps refused, then its requests lost
+        unproven = f"{FenceUnprovenError.__name__}({FenceUnprovenError.__name__})"
+        assert outcomes[0] == unproven and "RequestsLostError(LeaseExpiredError)" in outcomes, outcomes
+        assert set(outcomes[:-1]) <= {unproven, "RequestsLostError(LeaseExpiredError)"}, outcomes
+        # the refused Attach (inside the loss) is logged as an error
+        assert any(
+            r.levelno == logging.ERROR and "refused the fence's journal position" in r.getMessage()
+            for r in caplog.records
+        ), caplog.text
 
 
 def test_the_predicting_manager_attaches_again_too(tmp_path: Path) -> None:
@@ -117,38 +137,11 @@ def test_the_predicting_manager_attaches_again_too(tmp_path: Path) -> None:
     next call, whose Attach is refused for the corrupted fence, loudly; the call after
     attaches without a previous fence and allocation goes on. (Before: every call
     refused, for ever.)"""
-    server = leased_server(tmp_path, LEASE, 64)
-    server.start()
-    corrupt = _CorruptOneStepFence()
-    try:
-        with KVCoordClient(server.address, timeout=10, interceptors=[corrupt], step_stream=False) as c, \
-             KVCoordClient(server.address, timeout=10) as operator:  # fmt: skip
-            m = PredictingKVCacheManager(c, "p", hash_seed="0", renew=False, lease_seconds=LEASE)
-            assert m.allocate_slots(hashed_req("r0", list(range(16))), 16) is not None
-            m.flush()
-            corrupt.armed = True
-            assert m.allocate_slots(hashed_req("r1", list(range(100, 116))), 16) is not None
-            m.flush()
-            assert not corrupt.armed and m.keeper.fence.position > 2**40  # adopted
-            server.restart()
-            outcomes: list[str] = []
-            for i in range(2, 12):  # bounded
-                try:
-                    allocated = m.allocate_slots(hashed_req(f"r{i}", list(range(200 * i, 200 * i + 16))), 16)
-                    m.flush()
-                except KVCoordError as err:
-                    cause = err.cause if isinstance(err, RequestsLostError) else err
-                    outcomes.append(f"{type(err).__name__}({type(cause).__name__})")
-                    continue
-                assert allocated is not None
-                outcomes.append("allocated")
-                if outcomes.count("allocated") == 2:  # (the first may be predicted before a loss)
-                    break
-            assert outcomes[-2:] == ["allocated", "allocated"], outcomes
-            assert any(FenceUnprovenError.__name__ in o for o in outcomes), outcomes
-            assert not corrupt.attaches[-1].HasField("previous_fence")
-            assert corrupt.attaches[-2].previous_fence.position > 2**40
-            assert [s.session_id for s in operator.list_sessions("p").sessions] == [m.keeper.session_id]
-            m.close()
-    finally:
-        server.stop()
+    with _told_a_corrupted_position(tmp_path, "predicting") as (m, _, _):
+        outcomes: list[str] = []
+        for i in range(2, 12):  # bounded
+            outcomes.append(_allocate(m, i))
+            if outcomes[-2:] == ["allocated", "allocated"]:  # (the first may be predicted before a loss)
+                break
+        assert outcomes[-2:] == ["allocated", "allocated"], outcomes
+        assert any(FenceUnprovenError.__name__ in o for o in outcomes), outcomes

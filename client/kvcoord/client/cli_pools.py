@@ -196,7 +196,7 @@ def pools_create(conn: Connection, name: str, config_file: str | None, **flags: 
     "--incarnation",
     type=click.IntRange(min=0),
     default=0,
-    help="delete only this incarnation (pools get: fence.incarnation); another is refused, nothing deleted",
+    help="delete only this incarnation (pools inspect: fence INSTANCE:INCARNATION); another is refused",
 )
 @connection_options()
 def pools_delete(conn: Connection, name: str, yes: bool, force: bool, incarnation: int) -> None:

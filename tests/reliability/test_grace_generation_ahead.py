@@ -12,7 +12,9 @@ once, and the next start finds nothing to fence.
 
 Real server process, real files: two restores declared with ``kvcoord serve --restored``
 (generations 1 and 2), then the journal of a copy taken before them put back beside
-that grace.json; SIGKILL restarts.
+that grace.json (with the copy's ``journal.progress``, or alone: the start then finds
+the journal behind its progress file and fences as it opens, as it did, but a second
+time right after, by grace.json's generation); SIGKILL restarts.
 """
 
 from __future__ import annotations
@@ -60,5 +62,40 @@ def test_a_journal_two_generations_short_of_the_grace_is_fenced_once(tmp_path: P
         with KVCoordClient(server.address) as c:  # the copy's session ended with the fencing
             assert not c.list_sessions("p").sessions
             assert not c.inspect_pool("p", all_requests=True).requests
+    finally:
+        server.stop()
+
+
+def test_a_journal_put_back_alone_is_fenced_once_at_start(tmp_path: Path) -> None:
+    """The same grace.json, and the journal file alone put back from the copy (its
+    ``journal.progress`` left: the start finds the journal behind it and fences as it
+    opens). That fencing begins grace.json's generation: the start fences nothing more
+    (was: a second fencing right after, grace.json's generation not reached), nor does
+    the next one."""
+    server = leased_server(tmp_path, LEASE, 64)
+    copy = tmp_path / "copy"
+    try:
+        server.start()
+        with KVCoordClient(server.address) as c:
+            a = attach(c, "worker-a", LEASE)
+            step_allocate(c, a, "a1", 8)
+        server.stop()
+        subprocess.run(["cp", "-a", str(server.data_dir), str(copy)], check=True)
+        for _ in range(2):
+            server.start(args=("--restored",))
+            server.kill()
+        assert '"restore_generation": 2' in (server.data_dir / "grace.json").read_text()
+        for stale in server.data_dir.glob("journal.sqlite*"):
+            stale.unlink()
+        for old in copy.glob("journal.sqlite*"):
+            shutil.copy2(old, server.data_dir / old.name)
+        server.start()
+        log = server.log()
+        assert "may be behind what clients were told" in log, log  # found as the journal opened
+        assert FENCED not in log, log  # (was: fenced again at once, by grace.json's generation)
+        server.kill()
+        server.start()
+        assert "behind what clients were told" not in server.log()
+        assert refused_for_grace(server.address, LEASE)
     finally:
         server.stop()

@@ -28,9 +28,9 @@ def check_incarnation(service: PoolService, incarnation: int) -> None:
     if incarnation and incarnation != service.fence.incarnation:
         raise ServiceError(
             Status.PRECONDITION,
-            f"pool {service.name[:200]!r} is incarnation {service.fence.incarnation}, not {incarnation}: "
-            f"incarnation {incarnation} was deleted already (the pool was made again since); nothing was "
-            "deleted",
+            f"pool {service.name[:200]!r} is incarnation {service.fence.incarnation}, not {incarnation} "
+            "(that one was deleted and the pool made again since, or it never was this pool's): nothing "
+            "was deleted",
             ErrorReason.INCARNATION_CHANGED,
         )
 

@@ -396,11 +396,13 @@ def test_events_the_server_did_not_make_lose_every_request(client: KVCoordClient
     def wrong_events(m: PredictingKVCacheManager) -> None:
         original = m.mirror.take_step
 
-        def take_step() -> tuple[list[Any], pb.PrefixCacheStats]:
-            events, stats = original()
-            return [
-                dataclasses.replace(e, medium="CPU") if isinstance(e, BlockStored) else e for e in events
-            ], stats
+        def take_step() -> tuple[int, list[Any], pb.PrefixCacheStats]:
+            free, events, stats = original()
+            return (
+                free,
+                [dataclasses.replace(e, medium="CPU") if isinstance(e, BlockStored) else e for e in events],
+                stats,
+            )
 
         m.mirror.take_step = take_step  # type: ignore[method-assign]
 

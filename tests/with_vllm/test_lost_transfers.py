@@ -441,7 +441,7 @@ def test_a_loss_met_between_a_loads_start_and_its_wait_leaves_the_load_to_the_co
             manager.client.detach(manager.session_id, manager.keeper.fence)
             # the Step carrying this call fails now (as one sent in the background may
             # fail at any moment); the manager's next call meets the loss
-            manager.sender.cut(manager._step_state, wait=True)
+            manager.sender.cut(manager.mirror.take_step, wait=True)
             manager.sender.settle()
             assert manager.sender.failure is not None
 

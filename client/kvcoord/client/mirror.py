@@ -123,6 +123,11 @@ class Mirror:
         )
         self.enable_events = engine.block_pool.enable_kv_cache_events
         self._block_pool = engine.block_pool
+        #: the engine's free queue (made with its block pool, never replaced) and its
+        #: common-prefix read, each read once a scheduler step: one object each, not the
+        #: pool's chain of calls (every function a step runs once is cold in the caches)
+        self._free_queue = engine.block_pool.free_block_queue
+        self._common_prefix = engine.get_num_common_prefix_blocks
         #: the session's events (the engine's values) since the Step was cut, for the
         #: sender to digest as the server does, and those not given to the scheduler yet
         #: (what ``convert`` made of them, when set: vLLM's types, made as the engine
@@ -230,6 +235,20 @@ class Mirror:
     def holds(self, request_id: str) -> bool:
         return request_id in self.engine.requests
 
+    def common_prefix(self, request_id: str) -> list[int] | None:
+        """The engine's ``get_num_common_prefix_blocks`` as a list, or ``None`` for a
+        request it does not hold (:meth:`call`'s, written out: vLLM's scheduler asks
+        every step)."""
+        if request_id not in self.engine.requests:
+            return None
+        try:
+            value = list(self._common_prefix(request_id))
+        except EngineError as err:
+            raise engine_error(err) from None
+        if self._block_pool.kv_event_queue:
+            self._collect()
+        return value
+
     # -- calls ----------------------------------------------------------------------------
     def lookup(self, request_id: str) -> tuple[BlockIds, int]:
         """The request's prefix hit (statistics recorded, as the server records them)."""
@@ -310,7 +329,7 @@ class Mirror:
 
     @property
     def num_free_blocks(self) -> int:
-        return self._block_pool.get_num_free_blocks()  # (the engine's property's read, one call less)
+        return self._free_queue.num_free_blocks  # (the engine's property's read, two calls less)
 
     @property
     def usage(self) -> float:
@@ -349,18 +368,20 @@ class Mirror:
             add_stats(self._user_stats, stats)
             self._step_changed = self._user_changed = True
 
-    def take_step(self) -> tuple[list[KVCacheEvent], PrefixCacheStats]:
-        """The events and statistics since the previous call: what the server's answer
-        to the Step cut now must give (its events digested as a StepResponse's, its
-        statistics as its message: both made on the sender thread). Statistics
-        unchanged since the last call are :data:`NO_STATS` (shared: read, never changed)."""
+    def take_step(self) -> tuple[int, list[KVCacheEvent], PrefixCacheStats]:
+        """The free count now, and the events and statistics since the previous call:
+        what the server's answer to the Step cut now must give (its events digested as
+        a StepResponse's, its statistics as its message: both made on the sender
+        thread). Statistics unchanged since the last call are :data:`NO_STATS`
+        (shared: read, never changed)."""
         self._drain_stats()
         events, self._step_events = self._step_events, []
+        free = self._free_queue.num_free_blocks
         if not self._step_changed:
-            return events, NO_STATS
+            return free, events, NO_STATS
         stats, self.step_stats = self.step_stats, PrefixCacheStats()
         self._step_changed = False
-        return events, stats
+        return free, events, stats
 
     def take_events(self) -> list[Any]:
         """The events since the previous call (the engine's values, or ``convert``'s)."""

@@ -40,7 +40,6 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import grpc
-from kvcoord.engine import KVCacheEvent, PrefixCacheStats
 from kvcoord.v1 import allocator_pb2 as pb
 from kvcoord.wire import free_op
 
@@ -311,14 +310,16 @@ class PredictingKVCacheManager(PredictedRuns, PredictedLosses, PredictedReports)
 
     def get_num_common_prefix_blocks(self, request_id: str) -> list[int]:
         """Per group, the request's leading blocks shared by every request holding blocks."""
-        self._settled()
-        if request_id not in self.tracker or not self.mirror.holds(request_id):
+        sender = self.sender
+        if sender.failure is not None:  # (_settled's first test: every step's call)
+            self._settled()
+        n = self.mirror.common_prefix(request_id) if request_id in self.tracker else None
+        if n is None:
             raise InvalidArgumentError(
                 grpc.StatusCode.INVALID_ARGUMENT, f"request {request_id!r} is not in this pool"
             )
-        n = list(self.mirror.call("get_num_common_prefix_blocks", request_id))
-        self.sender.op().common_prefix.request_id = request_id
-        self.sender.expect("common_prefix", n)
+        sender.op().common_prefix.request_id = request_id
+        sender.expect("common_prefix", n)
         return n
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
@@ -427,11 +428,9 @@ class PredictingKVCacheManager(PredictedRuns, PredictedLosses, PredictedReports)
     def _cut(self, wait: bool = False) -> None:
         """End a scheduler step: its calls go to the server (or join the next Step
         while one is in flight); a failure found meanwhile is reported."""
-        self.sender.cut(self._step_state, wait)
-        self._settled()
-
-    def _step_state(self) -> tuple[int, list[KVCacheEvent], PrefixCacheStats]:
-        """What the answer to the Step sent now must say: the mirror's free count,
-        events and statistics."""
-        events, stats = self.mirror.take_step()
-        return self.mirror.num_free_blocks, events, stats
+        sender = self.sender
+        # (what the answer to the Step sent now must say: the mirror's free count, events
+        # and statistics, read by the sender when it hands the Step over)
+        sender.cut(self.mirror.take_step, wait)
+        if sender.failure is not None:  # (_settled's first test: every step's end)
+            self._settled()

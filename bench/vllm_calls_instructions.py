@@ -22,6 +22,12 @@ The cyclic garbage collector is off in the measured steps (heap frozen first), u
 ``--keep-gc``: where a collection falls moved one call kind's mean by thousands of
 instructions between two runs of the same code.
 
+``--model-touch-mb M`` with ``--cache-sim`` and a small last-level cache
+(``--valgrind-arg=--LL=2097152,16,64``): the model's run writes M MiB first, so every
+step starts with cold caches (as after a real model's run, or other processes on the
+core), and a call's last-level misses count the memory lines it touches: the footprint
+a step pays for in cache misses, which its instructions do not show.
+
 kvcoord's server runs outside valgrind (started here), as in ``bench/vllm_calls.py``.
 About 5-10 minutes per side at 256 running.
 """
@@ -120,12 +126,15 @@ def child(
     detail: list[str],
     keep_gc: bool,
     model_ms: float = 0.0,
+    model_touch_mb: int = 0,
 ) -> None:
     sys.path[:0] = [marks, str(ROOT / "bench"), str(ROOT / "tests" / "with_vllm")]
     import kvmark  # type: ignore[import-not-found]
     from harness import BLOCK_SIZE, SCHEDULERS, kv_cache_config, make_scheduler, vllm_config, write_model_dir
     from kvcoord.client.vllm_scheduler import KVCoordScheduler
-    from vllm_step import run
+    from vllm_step import MODEL_TOUCHES, run
+
+    MODEL_TOUCHES.extend(bytes(model_touch_mb << 20))  # (written at each model run's start)
 
     model = write_model_dir(Path(tempfile.mkdtemp(prefix="kvcoord-bench-model-")))
     blocks = running * (900 + 128) // BLOCK_SIZE * 2 + 64
@@ -280,7 +289,7 @@ def run_side(side: str, args: argparse.Namespace, marks: Path, tmp: Path) -> dic
            *(["--cache-sim=yes"] if args.cache_sim else []), *args.valgrind_arg,
            sys.executable, str(Path(__file__).resolve()), "--child", side, "--running", str(args.running),
            "--warmup", str(args.warmup), "--steps", str(args.steps), "--marks", str(marks),
-           "--detail", args.detail, "--model-ms", str(args.model_ms),
+           "--detail", args.detail, "--model-ms", str(args.model_ms), "--model-touch-mb", str(args.model_touch_mb),
            *(["--keep-gc"] if args.keep_gc else [])]  # fmt: skip
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
@@ -332,6 +341,14 @@ def main() -> None:
         "taking the GIL from update_from_output (under valgrind its work is ~50x slower: give it room)",
     )
     ap.add_argument(
+        "--model-touch-mb",
+        type=int,
+        default=0,
+        help="the model's run writes this many MiB first (as bench/vllm_step.py --model-touch-mb): with "
+        "--cache-sim and a last-level cache smaller than that (--valgrind-arg=--LL=2097152,16,64), every "
+        "step starts with cold caches, and its last-level misses count the memory lines it touches",
+    )
+    ap.add_argument(
         "--valgrind-arg",
         action="append",
         default=[],
@@ -351,6 +368,7 @@ def main() -> None:
             [d for d in args.detail.split(",") if d],
             args.keep_gc,
             args.model_ms,
+            args.model_touch_mb,
         )
         return
     tmp = Path(tempfile.mkdtemp(prefix="kvcoord-calls-ir-"))

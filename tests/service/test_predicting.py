@@ -132,6 +132,32 @@ def test_every_layout_is_predicted_exactly(client: KVCoordClient, layout: str) -
     m.close()
 
 
+def test_the_common_prefix_is_answered_at_once_and_checked_by_the_server(
+    client: KVCoordClient, pool: str
+) -> None:
+    """get_num_common_prefix_blocks (vLLM's schedule() asks it every step) is the
+    engine's answer, given at once and sent for the server to check: two requests
+    sharing two cached blocks share a prefix of two, the server agrees (no loss at the
+    flush), and a request the pool does not hold is refused with nothing sent."""
+    from kvcoord.client import InvalidArgumentError
+
+    m = PredictingKVCacheManager(client, pool, hash_seed="0", renew=False)
+    a = hashed_req("a", list(range(12)))
+    admit_prompt(m, a)
+    assert m.get_num_common_prefix_blocks("a") == [3]  # the only holder: every block
+    b = hashed_req("b", list(range(8)) + [90, 91, 92, 93])
+    admit_prompt(m, b)  # hits a's first two blocks
+    assert m.get_num_common_prefix_blocks("a") == [2]
+    assert m.get_num_common_prefix_blocks("b") == [2]
+    with pytest.raises(InvalidArgumentError, match="not in this pool"):
+        m.get_num_common_prefix_blocks("ghost")
+    m.take_events()
+    m.flush()  # every answer above was the server's too
+    assert m.lost_requests == 0
+    assert sorted(_tables(client, pool)) == ["a", "b"]
+    m.close()
+
+
 def test_a_pool_held_by_another_session_or_another_engine_is_not_predicted(
     client: KVCoordClient, pool: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

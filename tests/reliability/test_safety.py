@@ -54,19 +54,32 @@ def start(started: list[InProcessServer], **kw: object) -> InProcessServer:
 
 
 def test_idle_worker_keeps_its_session(started: list[InProcessServer]) -> None:
-    """A worker idle for three leases keeps its session and blocks: the client renews."""
-    server = start(started, session_lease_seconds=0.6, max_session_lease_seconds=0.6,
+    """A worker idle for three leases keeps its session and blocks: the client renews.
+
+    The lease (0.6 s) is counted on a clock the server and the worker share and the
+    test moves: half a lease at a time, each time once the worker's own renewal thread
+    renewed the lease at the current time. Counted in real time, a process starved
+    past the lease (2 cores at load 8, stalls injected with SIGSTOP) really loses its
+    session on both sides, by the lease's contract."""
+    clock = ManualClock()
+    lease = 0.6
+    server = start(started, clock=clock, session_lease_seconds=lease, max_session_lease_seconds=lease,
                    idempotency_window_seconds=300.0)  # fmt: skip
     with KVCoordClient(server.address) as c:
-        m = RemoteKVCacheManager(c, "p", hash_seed="0")
+        m = RemoteKVCacheManager(c, "p", hash_seed="0", clock=clock)
         r = Req("a", list(range(10)))
         blocks = m.allocate_slots(r, 10)
         assert blocks is not None
-        deadline = time.monotonic() + 2.0
-        while time.monotonic() < deadline:  # idle; the server reaps expired sessions meanwhile
+        for _ in range(7):  # 3.5 leases idle; the server reaps expired sessions meanwhile
+            # The keeper's next heartbeat, and one sent at the current time answered (one
+            # sent before the last advance leaves less than half a lease): the server
+            # received it now or later.
+            renewals, deadline = m.keeper.renewals, time.monotonic() + 60  # a bound on a hang
+            while m.keeper.renewals == renewals or m.keeper.valid_until <= clock.now + lease / 2:
+                assert time.monotonic() < deadline, "the worker renewed nothing for 60 s"
+                time.sleep(0.02)
+            clock.advance(lease / 2)
             server.call(server.running.servicer.reap_expired_sessions)  # type: ignore[union-attr]
-            time.sleep(0.1)
-        assert m.keeper.renewals >= 3
         assert held(c)["a"] == [list(x) for x in blocks.get_block_ids()]
         r.num_computed_tokens = 10
         assert m.allocate_slots(r, 4) is not None  # still works, nothing lost

@@ -33,7 +33,8 @@ answer dispatch and that recovery are the :class:`~kvcoord.client.sender.StepSen
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -83,6 +84,9 @@ class RemoteKVCacheManager(SessionFacts):
             pool caches (a new engine process) or may hold other KV (a call cut by the
             loss cached blocks whose KV was never computed). A server that does not
             reset at Attach (an older release) is sent ResetPrefixCache at once instead.
+        clock: the monotonic seconds the session's lease is counted in (tests share a
+            ManualClock with an in-process server; the renewals still come every third
+            of a lease of real time).
 
     Raises:
         RandomSeedError: caching is on and no seed is known.
@@ -105,6 +109,7 @@ class RemoteKVCacheManager(SessionFacts):
         profile: str = "",
         num_hash_lookahead_tokens: int = 0,
         reset_at_attach: bool = False,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         cfg, seed = self._open(client, pool, hash_seed)
         self.exclusive = exclusive
@@ -121,7 +126,7 @@ class RemoteKVCacheManager(SessionFacts):
                 self._reset_after_attach(response)
             return response
 
-        self.keeper = SessionKeeper(client, attach, renew=renew)
+        self.keeper = SessionKeeper(client, attach, clock=clock, renew=renew)
         #: sends the Steps (inline), dispatches their answers, recovers lost requests
         self.sender = StepSender(client, pool, self.keeper, self.tracker)
         self._ops = Ops(self)

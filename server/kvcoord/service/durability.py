@@ -136,8 +136,10 @@ class Recorder:
     def detached(self, service: PoolService, session_id: str) -> None:
         pass
 
-    def session_expired(self, session_id: str, pool: str = "") -> None:
-        """``pool``: the session's (not journaled locally; the store journal needs it)."""
+    def session_expired(self, session_id: str, pool: str = "", service: PoolService | None = None) -> None:
+        """``pool``: the session's (not journaled locally; the store journal needs it);
+        ``service``: that pool held here, whose events of the session's end (BlockRemoved
+        of its abandoned requests) its readers see once the record is durable."""
 
     def called(
         self, service: PoolService, rpc: str, request: Message, key: str, digest: bytes, answer: bytes | None,
@@ -423,8 +425,8 @@ class JournalRecorder(Recorder):
     def detached(self, service: PoolService, session_id: str) -> None:
         self._append("detach", session_id, ABANDONED, service=service)
 
-    def session_expired(self, session_id: str, pool: str = "") -> None:
-        self._append("expire", session_id, ABANDONED)
+    def session_expired(self, session_id: str, pool: str = "", service: PoolService | None = None) -> None:
+        self._append("expire", session_id, ABANDONED, service=service)
 
     def called(
         self, service: PoolService, rpc: str, request: Message, key: str, digest: bytes, answer: bytes | None,

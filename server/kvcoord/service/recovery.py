@@ -400,7 +400,7 @@ def fence_restored(registry: PoolRegistry, recorder: JournalRecorder, at_least: 
     recorder.restored(void_earlier_instances(registry), registry.positions.next_generation(at_least))
     for s in list(registry.sessions.sessions.values()):
         registry.end_session(s)
-        recorder.session_expired(s.session_id, s.pool)
+        recorder.session_expired(s.session_id, s.pool, registry.pools.get(s.pool))
     refused = []
     for service in registry.pools.values():
         for reservation_id in list(service.reservations.live):

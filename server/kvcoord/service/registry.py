@@ -467,7 +467,7 @@ class PoolRegistry:
         if service is None:
             self.idempotency.drop_session(s.session_id)
         # recorded after the change: a snapshot the record triggers holds the state after it
-        self.recorder.session_expired(s.session_id, s.pool)
+        self.recorder.session_expired(s.session_id, s.pool, service)
         self.on_session_expired(s.pool)
         logger.warning(
             "session %s (%s) of pool %s expired; freed %d requests",

@@ -465,10 +465,10 @@ class StoreRecorder(JournalRecorder):
         if self.streams is not None:  # (a kept answer's record: a copy of a call must fail as its original)
             self.streams.answers_on(pool)
 
-    def session_expired(self, session_id: str, pool: str = "") -> None:
+    def session_expired(self, session_id: str, pool: str = "", service: PoolService | None = None) -> None:
         self._expiring = pool
         try:
-            super().session_expired(session_id, pool)
+            super().session_expired(session_id, pool, service)
         finally:
             self._expiring = None
 

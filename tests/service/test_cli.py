@@ -342,24 +342,32 @@ def test_events_follow_resumes_across_a_server_restart(tmp_path: Path) -> None:
                 return lines[-1]
         raise AssertionError(lines)
 
-    try:
+    def store_blocks(rid: str, tokens: list[int]) -> pb.Fence:
+        """One BlockStored event: a worker computes ``tokens``, frees them (they stay
+        cached) and detaches. A session left to its lease would drop them from the cache
+        when the lease ran out (BlockRemoved: abandoned requests), which a loaded machine
+        reached mid-test (2 cores at load 30: the CLI's start alone took 20-35 s)."""
         with KVCoordClient(srv.address) as c:
             sid, fence = attach(c, "p")
-            c.step("p", [allocate("before", list(range(8)), 8)], sid, fence)
+            c.step("p", [allocate(rid, tokens, len(tokens)), pb.Operation(free=pb.FreeOp(request_id=rid))],
+                   sid, fence)  # fmt: skip
+            c.detach(sid, fence)
+        return fence
+
+    try:
+        store_blocks("before", list(range(8)))
         first = read_until(lambda ev: ev["type"] == "block_stored")
         srv.kill()
         srv.start()
-        with KVCoordClient(srv.address) as c:
-            sid, fence = attach(c, "p")
-            c.step("p", [allocate("after", list(range(900, 908)), 8)], sid, fence)
-            new_fence = f"{fence.instance_id}:{fence.incarnation}"
+        fence = store_blocks("after", list(range(900, 908)))
+        new_fence = f"{fence.instance_id}:{fence.incarnation}"
         resumed = read_until(lambda ev: ev["sequence"] > first["sequence"])
         assert (resumed["sequence"], resumed["type"]) == (first["sequence"] + 1, "block_stored")
         assert (resumed["fence"], resumed["gap"], resumed["reset"]) == (new_fence, False, False)
         assert resumed["fence"] != first["fence"]
-        for _ in range(100):  # the state file is written right after the line is printed
-            if state.exists() and json.loads(state.read_text())["after_sequence"] == resumed["sequence"]:
-                break
+        deadline = time.monotonic() + 120  # written right after the line is printed; a bound on a hang
+        while not (state.exists() and json.loads(state.read_text())["after_sequence"] == resumed["sequence"]):
+            assert time.monotonic() < deadline, f"the state file never reached {resumed['sequence']}"
             time.sleep(0.1)
         proc.send_signal(signal.SIGINT)
         assert proc.wait(120) == 0

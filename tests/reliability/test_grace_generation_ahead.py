@@ -22,6 +22,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
 from durable_server import attach, leased_server, refused_for_grace, step_allocate
 from kvcoord.client import KVCoordClient
@@ -31,22 +32,29 @@ LEASE = 30.0
 FENCED = "the journal is behind what clients were told"
 
 
+def _two_restores_after_a_copy(server: Any, copy: Path) -> str:
+    """One worker's allocation, a copy of the stopped server's data directory, then two
+    restores declared (``--restored``: generations 1, then 2); grace.json's text."""
+    server.start()
+    with KVCoordClient(server.address) as c:
+        a = attach(c, "worker-a", LEASE)
+        step_allocate(c, a, "a1", 8)
+    server.stop()
+    subprocess.run(["cp", "-a", str(server.data_dir), str(copy)], check=True)
+    for _ in range(2):
+        server.start(args=("--restored",))
+        assert FENCED in server.log()
+        server.kill()
+    grace = (server.data_dir / "grace.json").read_text()
+    assert '"restore_generation": 2' in grace, grace
+    return grace
+
+
 def test_a_journal_two_generations_short_of_the_grace_is_fenced_once(tmp_path: Path) -> None:
     server = leased_server(tmp_path, LEASE, 64)
     copy = tmp_path / "copy"
     try:
-        server.start()
-        with KVCoordClient(server.address) as c:
-            a = attach(c, "worker-a", LEASE)
-            step_allocate(c, a, "a1", 8)
-        server.stop()
-        subprocess.run(["cp", "-a", str(server.data_dir), str(copy)], check=True)
-        for _ in range(2):  # two restores declared: generations 1, then 2
-            server.start(args=("--restored",))
-            assert FENCED in server.log()
-            server.kill()
-        grace = (server.data_dir / "grace.json").read_text()
-        assert '"restore_generation": 2' in grace, grace
+        grace = _two_restores_after_a_copy(server, copy)
         # the journal put back from the copy (generation 0), grace.json left as it is
         shutil.rmtree(server.data_dir)
         subprocess.run(["cp", "-a", str(copy), str(server.data_dir)], check=True)
@@ -75,16 +83,7 @@ def test_a_journal_put_back_alone_is_fenced_once_at_start(tmp_path: Path) -> Non
     server = leased_server(tmp_path, LEASE, 64)
     copy = tmp_path / "copy"
     try:
-        server.start()
-        with KVCoordClient(server.address) as c:
-            a = attach(c, "worker-a", LEASE)
-            step_allocate(c, a, "a1", 8)
-        server.stop()
-        subprocess.run(["cp", "-a", str(server.data_dir), str(copy)], check=True)
-        for _ in range(2):
-            server.start(args=("--restored",))
-            server.kill()
-        assert '"restore_generation": 2' in (server.data_dir / "grace.json").read_text()
+        _two_restores_after_a_copy(server, copy)
         for stale in server.data_dir.glob("journal.sqlite*"):
             stale.unlink()
         for old in copy.glob("journal.sqlite*"):

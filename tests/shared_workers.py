@@ -151,6 +151,8 @@ def shared_worker(address: str | Sequence[str], pool: str, wid: int, steps: int,
 
 
 def run_threads(target: Any, count: int, *args: Any) -> list[BaseException]:
+    """``target(i, *args)`` for each of ``count`` workers at once, on threads; what they
+    raised, in the order raised."""
     errors: list[BaseException] = []
 
     def guarded(wid: int) -> None:

@@ -5,7 +5,6 @@ worker's view after every step."""
 from __future__ import annotations
 
 import random
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,6 +15,7 @@ from kvcoord.client.hashing import BlockHasher, none_hash
 from kvcoord.engine import FullAttentionSpec, KVCacheConfig, KVCachePool, SlidingWindowSpec
 from kvcoord.service.testing import InProcessServer
 from kvcoord.v1 import allocator_pb2 as pb
+from shared_workers import run_threads
 from support import Req
 
 NUM_BLOCKS = 80
@@ -182,19 +182,7 @@ def drive(
 def run_workers(worker: Any, count: int) -> None:
     """``worker(i)`` for each of ``count`` workers at once, on threads; the first
     exception any of them raised is raised here."""
-    errors: list[BaseException] = []
-
-    def guarded(wid: int) -> None:
-        try:
-            worker(wid)
-        except BaseException as exc:  # noqa: BLE001 - reported by the caller's thread
-            errors.append(exc)
-
-    threads = [threading.Thread(target=guarded, args=(w,)) for w in range(count)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(600)
+    errors = run_threads(worker, count)
     if errors:
         raise errors[0]
 

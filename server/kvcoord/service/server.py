@@ -22,6 +22,7 @@ from .gc_freezer import GcFreezer
 from .idempotency import IdempotencyStore
 from .journal_behind import journal_behind
 from .kv_event_feed import Publishers
+from .lease_clock import LeaseClock, keep_ticking
 from .logs import ids
 from .observers import OperationObserver
 from .recovery import Recovery, open_journal
@@ -181,16 +182,25 @@ class RunningServer:
         await self.server.wait_for_termination()
 
 
-async def _reap(servicer: AllocatorServicer, every: float) -> None:
+async def _reap(servicer: AllocatorServicer, every: float, lease_clock: Callable[[], float]) -> None:
+    """End lapsed sessions and reservations every ``every`` seconds; a :class:`LeaseClock`
+    ticks beside it (ended with it: a server that stops reaping counts no more pauses)."""
+    ticker = None
+    if isinstance(lease_clock, LeaseClock):
+        ticker = asyncio.get_running_loop().create_task(keep_ticking(lease_clock))
     freezer = GcFreezer()
-    while True:
-        await asyncio.sleep(every)
-        try:
-            servicer.reap_expired_sessions()
-            servicer.expire_reservations()
-            freezer.maybe_freeze(servicer.registry.pools.values())
-        except Exception:  # pragma: no cover - logged, the reaper keeps going
-            logger.exception("session reaper failed")
+    try:
+        while True:
+            await asyncio.sleep(every)
+            try:
+                servicer.reap_expired_sessions()
+                servicer.expire_reservations()
+                freezer.maybe_freeze(servicer.registry.pools.values())
+            except Exception:  # pragma: no cover - logged, the reaper keeps going
+                logger.exception("session reaper failed")
+    finally:
+        if ticker is not None:
+            ticker.cancel()
 
 
 def _options(cfg: ServerConfig) -> list[tuple[str, int]]:
@@ -280,7 +290,10 @@ async def _start(
 ) -> RunningServer:
     """:func:`start_server` once the data directory is held."""
     st = cfg.server
-    sessions = SessionTable(clock, st.session_lease_seconds, st.max_session_lease_seconds)
+    # Leases (and what is aged with them) leave out the time the server could not run
+    # (lease_clock.py); an injected clock is a test's, whose jumps are time passing.
+    lease_clock = LeaseClock(clock) if clock is time.monotonic else clock
+    sessions = SessionTable(lease_clock, st.session_lease_seconds, st.max_session_lease_seconds)
     if cfg.writes_can_stall:  # a lease asked for must outlast a stall (stalls.py)
         sessions.stall_bound = st.stall_seconds
     decision = decide_startup(cfg, clock, wall_clock, start_empty)
@@ -290,7 +303,7 @@ async def _start(
     registry = PoolRegistry(
         cfg.limits,
         sessions,
-        IdempotencyStore(clock, st.idempotency_window_seconds, st.idempotency_max_bytes),
+        IdempotencyStore(lease_clock, st.idempotency_window_seconds, st.idempotency_max_bytes),
         instance_id,
         grace_until,
         clock,
@@ -432,7 +445,7 @@ async def _start(
             raise
     for name, ok in (("", True), (SERVICE_NAME, cluster is None or cluster.view.lease_valid)):
         await health_servicer.set(name, SERVING if ok else NOT_SERVING)  # (a lease may end as it starts)
-    reaper = asyncio.get_running_loop().create_task(_reap(servicer, reap_interval))
+    reaper = asyncio.get_running_loop().create_task(_reap(servicer, reap_interval, lease_clock))
     running = RunningServer(
         server, servicer, health_servicer, addresses, cfg.server.grace_seconds, reaper, recovery
     )

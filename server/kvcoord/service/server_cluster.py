@@ -162,8 +162,11 @@ def store_journal(
     def scratch(writer: str) -> PoolRegistry:
         return PoolRegistry(
             cfg.limits,
-            SessionTable(registry.clock, st.session_lease_seconds, st.max_session_lease_seconds),
-            IdempotencyStore(registry.clock, st.idempotency_window_seconds, st.idempotency_max_bytes),
+            # (the lease clock: what a pool's replay ages is counted as the live pool's)
+            SessionTable(registry.sessions.clock, st.session_lease_seconds, st.max_session_lease_seconds),
+            IdempotencyStore(
+                registry.sessions.clock, st.idempotency_window_seconds, st.idempotency_max_bytes
+            ),
             writer,
             clock=registry.clock,
         )

@@ -185,7 +185,9 @@ class AllocatorServicer:
     def Heartbeat(self, request, context):
         """Renews a session lease (any call carrying the session id renews it too). The
         lease runs from the moment the server receives the call, so a client that
-        counts it from the moment it sent the call is never late.
+        counts it from the moment it sent the call is never late; it runs in the
+        server's running time (a server process stopped or stalled longer than a lease
+        reads the renewals that waited meanwhile before it ends any session).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -54,7 +54,9 @@ told was refused). A refusal counts its message against the budget and is evicte
 an answer is; a snapshot or a handed-over pool keeps it as a tombstone (ANSWER_EVICTED
 on a retry: still never applied), and replaying its journal record keeps it again.
 
-Ages are kept on the monotonic clock while serving. Across a restart, recovery
+Ages are kept on the server's lease clock while serving (the monotonic clock less the
+time the server could not run: lease_clock.py; a retry that waited in its socket through
+a pause finds its answer as a renewal finds its session). Across a restart, recovery
 (recovery.py) restores them by serving time: an answer's age is measured up to the
 last journaled record, so the downtime, and a wall clock set forward or back while
 the server was down, neither expire an answer early nor apply a retry twice (answers

@@ -60,7 +60,8 @@ class SessionTable:
     """Live sessions by id, for every pool of a server.
 
     Args:
-        clock: monotonic seconds.
+        clock: monotonic seconds; a server's lease clock (lease_clock.py) leaves out
+            its pauses, so a lease runs in the time the server could read renewals.
         default_lease: the lease when a client asks for none.
         max_lease: the longest lease granted (longer requests are capped).
     """

@@ -8,9 +8,12 @@ import asyncio
 
 import pytest
 from kvcoord.service.errors import ErrorReason, ServiceError
+from kvcoord.service.idempotency import IdempotencyStore
 from kvcoord.service.lease_clock import PAUSE_GAP_SECONDS, TICK_SECONDS, LeaseClock, keep_ticking
+from kvcoord.service.registry import Limits, PoolRegistry
 from kvcoord.service.sessions import SessionTable
 from kvcoord.service.testing import ManualClock
+from test_reservation_leases_travel import reserve_prompt
 
 
 def _ticking(raw: ManualClock, tick: float = 0.1, gap: float = 0.5) -> LeaseClock:
@@ -152,17 +155,22 @@ def test_a_dead_clients_session_ends_one_lease_of_running_time_after_its_last_re
 
 
 def test_reservations_and_kept_answers_wait_out_a_pause_as_sessions_do() -> None:
-    """What the reaper ages besides sessions is counted on the same clock: a kept
-    answer's window (the idempotency store) and a reservation's time (pool_reservations,
-    read through the session table's clock) do not run down while the server is stopped."""
-    from kvcoord.service.idempotency import IdempotencyStore
-
+    """What the reaper ages besides sessions is counted on the same clock, as a server
+    wires it (server.py): a router's reservation (read through the session table's
+    clock) and a kept answer's window (the idempotency store) do not run down while the
+    server is stopped, and run out once their time of running passed."""
     raw = ManualClock()
     clock = _ticking(raw)
-    store = IdempotencyStore(clock, 10.0, 1 << 20)
+    registry = PoolRegistry(Limits(), SessionTable(clock, 30.0, 60.0), IdempotencyStore(clock, 10.0, 1 << 20),
+                            "i", clock=raw)  # fmt: skip
+    rid = reserve_prompt(registry, 10.0)
+    service = registry.pools["p"]
+    store = registry.idempotency
     store.remember("s", "Step", "k", b"digest", b"answer")
-    raw.advance(30.0)  # paused, longer than the window
+    raw.advance(30.0)  # paused, longer than both
     store.expire()
+    assert service.expired_reservations() == []
     assert store.lookup("s", "Step", "k", b"digest") == b"answer"
     _run(clock, raw, 10.0)
+    assert service.expired_reservations() == [rid]
     assert store.lookup("s", "Step", "k", b"digest") is None  # the window ran out

@@ -31,6 +31,12 @@ def _registry(instance: str) -> tuple[PoolRegistry, ManualClock]:
 def _reserved(seconds: float) -> tuple[PoolRegistry, ManualClock, str]:
     """A registry whose pool "p" holds one reservation of PROMPT's 8-token hit."""
     r, clock = _registry("old-owner")
+    return r, clock, reserve_prompt(r, seconds)
+
+
+def reserve_prompt(r: PoolRegistry, seconds: float) -> str:
+    """Create pool "p" in ``r``, cache PROMPT's two full blocks (request r1) and reserve
+    their 8-token hit for ``seconds``: the reservation's id."""
     r.create("p", wire_pool_config(16))
     service = r.pools["p"]
     s = service.attach("sha256_cbor", 4, "0", "w", 0)
@@ -40,7 +46,7 @@ def _reserved(seconds: float) -> tuple[PoolRegistry, ManualClock, str]:
     assert o.error is None
     hit = service.reserve("rsv", hashes(PROMPT), len(PROMPT), "", seconds)
     assert hit.num_tokens == 8
-    return r, clock, "rsv"
+    return "rsv"
 
 
 def _sent(value: dict[str, Any]) -> dict[str, Any]:

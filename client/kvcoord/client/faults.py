@@ -31,7 +31,11 @@ import grpc
 
 from .errors import LocalRpcError
 
-__all__ = ["FaultInjector", "FaultRules"]
+__all__ = ["DELIVERED_FIRST", "FaultInjector", "FaultRules"]
+
+#: the faults of a unary call that deliver it (and wait for its answer) before its caller
+#: hears anything (:meth:`FaultRules._delivered`)
+DELIVERED_FIRST = ("drop", "delay", "duplicate")
 
 
 class FaultRules:
@@ -99,6 +103,28 @@ class FaultRules:
                 held.append(item)
         return fault, late
 
+    def _unary_draw(self, details: Any, request: Any, held: Callable[[], list[Any]]) -> tuple[str, Any]:
+        """A unary call's fault and the late old copy to deliver before it (``held``:
+        the copies held back that it may be); "pass" for a call left untouched.
+        Raises the partition's failure while partitioned."""
+        if self.partitioned:
+            raise LocalRpcError(grpc.StatusCode.UNAVAILABLE, "injected: network partition")
+        if not self.faulted(details.method):
+            return "pass", None
+        return self._draw((details, request), held())
+
+    def _delivered(self, fault: str) -> None:
+        """A faulted call was delivered and answered once (its ``fault`` "drop", "delay"
+        or "duplicate"): count it, and raise what its caller is told instead of the
+        answer (a duplicate is then delivered again, and answered)."""
+        if fault == "drop":
+            self.dropped()
+            raise LocalRpcError(grpc.StatusCode.UNAVAILABLE, "injected: connection lost before the answer")
+        if fault == "delay":
+            self.counts["delayed"] += 1
+            raise LocalRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "injected: answer after the deadline")
+        self.counts["duplicated"] += 1
+
 
 class FaultInjector(FaultRules, grpc.UnaryUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):  # type: ignore[misc]
     """The blocking client's (a ``grpc`` channel interceptor): :class:`FaultRules`'
@@ -124,25 +150,13 @@ class FaultInjector(FaultRules, grpc.UnaryUnaryClientInterceptor, grpc.StreamStr
         self._held_messages: list[Any] = []  # (StepStream's)
 
     def intercept_unary_unary(self, continuation: Callable[..., Any], details: Any, request: Any) -> Any:
-        if self.partitioned:
-            raise LocalRpcError(grpc.StatusCode.UNAVAILABLE, "injected: network partition")
-        if not self.faulted(details.method):
-            return continuation(details, request)
-        fault, late = self._draw((details, request), self._held)
+        fault, late = self._unary_draw(details, request, lambda: self._held)
         if late is not None:
             # An old copy arrives after newer calls; whatever it gets back goes nowhere.
             _deliver(continuation, *late)
-        if fault == "drop":
+        if fault in DELIVERED_FIRST:
             _deliver(continuation, details, request)
-            self.dropped()
-            raise LocalRpcError(grpc.StatusCode.UNAVAILABLE, "injected: connection lost before the answer")
-        if fault == "delay":
-            _deliver(continuation, details, request)
-            self.counts["delayed"] += 1
-            raise LocalRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "injected: answer after the deadline")
-        if fault == "duplicate":
-            _deliver(continuation, details, request)
-            self.counts["duplicated"] += 1
+            self._delivered(fault)
         return continuation(details, request)
 
     def draw_message(self, request: Any) -> tuple[str, Any]:

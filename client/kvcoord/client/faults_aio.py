@@ -24,8 +24,7 @@ from typing import Any
 
 import grpc
 
-from .errors import LocalRpcError
-from .faults import FaultRules
+from .faults import DELIVERED_FIRST, FaultRules
 
 __all__ = ["AsyncFaultInjector"]
 
@@ -52,26 +51,14 @@ class AsyncFaultInjector(FaultRules, grpc.aio.UnaryUnaryClientInterceptor):  # t
     async def intercept_unary_unary(
         self, continuation: Callable[..., Any], details: Any, request: Any
     ) -> Any:
-        if self.partitioned:
-            raise LocalRpcError(grpc.StatusCode.UNAVAILABLE, "injected: network partition")
-        if not self.faulted(details.method):
-            return await continuation(details, request)
         method = details.method.decode() if isinstance(details.method, bytes) else details.method
-        fault, late = self._draw((details, request), self._held_per_rpc.setdefault(method, []))
+        fault, late = self._unary_draw(details, request, lambda: self._held_per_rpc.setdefault(method, []))
         if late is not None:
             # An old copy arrives after newer calls; whatever it gets back goes nowhere.
             await _deliver(continuation, *late)
-        if fault == "drop":
+        if fault in DELIVERED_FIRST:
             await _deliver(continuation, details, request)
-            self.dropped()
-            raise LocalRpcError(grpc.StatusCode.UNAVAILABLE, "injected: connection lost before the answer")
-        if fault == "delay":
-            await _deliver(continuation, details, request)
-            self.counts["delayed"] += 1
-            raise LocalRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "injected: answer after the deadline")
-        if fault == "duplicate":
-            await _deliver(continuation, details, request)
-            self.counts["duplicated"] += 1
+            self._delivered(fault)
         return await continuation(details, request)
 
 

@@ -16,7 +16,7 @@ from kvcoord.v1 import allocator_pb2 as pb
 from kvcoord.wire import allocate_op, free_op
 
 from .errors import AbortedError
-from .items import Item, KVCacheBlockIds, Pending, ids, no_answer
+from .items import Admission, Item, KVCacheBlockIds, Pending, ids, no_answer
 
 if TYPE_CHECKING:
     from .sender import StepSender
@@ -25,12 +25,14 @@ if TYPE_CHECKING:
 
 class BatchOwner(Protocol):
     """What the batch builders need of the manager whose Steps carry their calls
-    (``RemoteKVCacheManager``): its request positions, its stale-hit count, and
-    the sender of its Steps (no import of the manager here, nothing private of it)."""
+    (``RemoteKVCacheManager``): its request positions, its stale-hit count, the
+    sender of its Steps and vLLM 0.33's admission inputs (no import of the manager
+    here, nothing private of it)."""
 
     tracker: RequestTracker
     stale_hits: int
     sender: StepSender
+    admission: Admission
 
 
 __all__ = ["Admitted", "BatchOwner", "Ops", "StepBatcher"]
@@ -78,6 +80,10 @@ class Ops:
                        num_external_computed_tokens, delay_cache_blocks, num_encoder_tokens, into=a)  # fmt: skip
         a.return_table = return_table
         m = self.m
+        # (vLLM 0.33's inputs, set around its adapter's allocate_slots; unset: not sent)
+        full, a.reserved_blocks, a.num_in_flight_tokens, a.watermark_blocks, skip_zeroing = m.admission
+        a.full_sequence_must_fit = full
+        a.skip_zeroing_group_ids.extend(skip_zeroing)
 
         def decode(r: pb.OperationResult) -> KVCacheBlockIds | None:
             if r.allocate.stale_hit:

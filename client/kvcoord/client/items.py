@@ -19,6 +19,8 @@ from kvcoord.wire import uncomputed_from_pb
 from .errors import KVCoordError
 
 __all__ = [
+    "NO_ADMISSION",
+    "Admission",
     "ColumnRun",
     "Gathered",
     "Item",
@@ -32,6 +34,12 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+
+#: vLLM 0.33's admission inputs of an allocation: full_sequence_must_fit, reserved_blocks,
+#: num_in_flight_tokens, watermark_blocks, skip_zeroing_group_ids
+Admission = tuple[bool, int, int, int, tuple[int, ...]]
+#: a manager's ``admission`` outside vLLM 0.33's allocate_slots (and under 0.16 always)
+NO_ADMISSION: Admission = (False, 0, 0, 0, ())
 
 
 class Pending(Generic[T]):

@@ -176,18 +176,9 @@ class RemoteKVCacheManager(SessionFacts):
 
         With ``return_table`` the answer's ``table`` is the request's whole block table.
         """
-        return self._now(self._item(
+        return self._now(self._ops.allocate_slots(
             request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_lookahead_tokens,
             num_external_computed_tokens, delay_cache_blocks, num_encoder_tokens, return_table))  # fmt: skip
-
-    def _item(self, request: Any, num_new_tokens: int, num_new_computed_tokens: int,
-              new_computed_blocks: KVCacheBlockIds | None, num_lookahead_tokens: int,
-              num_external_computed_tokens: int, delay_cache_blocks: bool, num_encoder_tokens: int,
-              return_table: bool) -> Item[KVCacheBlockIds | None]:  # fmt: skip
-        """allocate_slots as an AllocateOp (a subclass adds its profile's fields here)."""
-        return self._ops.allocate_slots(
-            request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_lookahead_tokens,
-            num_external_computed_tokens, delay_cache_blocks, num_encoder_tokens, return_table)  # fmt: skip
 
     def allocate_with_lookup(
         self,

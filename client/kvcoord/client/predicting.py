@@ -189,19 +189,15 @@ class PredictingKVCacheManager(PredictedRuns, PredictedLosses, PredictedReports)
     def allocate_slots(self, request: Any, num_new_tokens: int, num_new_computed_tokens: int = 0,
                        new_computed_blocks: KVCacheBlockIds | None = None, num_lookahead_tokens: int = 0,
                        num_external_computed_tokens: int = 0, delay_cache_blocks: bool = False,
-                       num_encoder_tokens: int = 0, return_table: bool = False, full_sequence_must_fit: bool = False,
-                       reserved_blocks: int = 0, num_in_flight_tokens: int = 0, watermark_blocks: int = 0,
-                       skip_zeroing_group_ids: tuple[int, ...] = ()) -> KVCacheBlockIds | None:  # fmt: skip
+                       num_encoder_tokens: int = 0, return_table: bool = False) -> KVCacheBlockIds | None:  # fmt: skip
         """New block ids, or ``None`` when the pool has too few free blocks, answered now
         (with ``return_table``, the answer's ``table`` is the request's whole table;
-        the arguments after it: vLLM 0.33's inputs, for a ``vllm-0.33`` pool)."""
+        vLLM 0.33's inputs, for a ``vllm-0.33`` pool: :attr:`admission`)."""
         new: object = NOT_TAKEN
         if not (
             num_new_computed_tokens or num_external_computed_tokens or delay_cache_blocks or num_encoder_tokens
-            or full_sequence_must_fit or reserved_blocks or num_in_flight_tokens or watermark_blocks
-            or skip_zeroing_group_ids
         ):  # fmt: skip
-            new = self.allocate_running(request, num_new_tokens, num_lookahead_tokens)
+            new = self.allocate_running(request, num_new_tokens, num_lookahead_tokens)  # (it reads admission)
         if new is NOT_TAKEN:
             if self.sender.failure is not None:
                 self._settled()
@@ -210,8 +206,7 @@ class PredictingKVCacheManager(PredictedRuns, PredictedLosses, PredictedReports)
                 self._vouch()
             new = self._allocate(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
                                  num_lookahead_tokens, num_external_computed_tokens, delay_cache_blocks,
-                                 num_encoder_tokens, full_sequence_must_fit, reserved_blocks,
-                                 num_in_flight_tokens, watermark_blocks, skip_zeroing_group_ids)  # fmt: skip
+                                 num_encoder_tokens)  # fmt: skip
         if new is None:
             return None
         assert isinstance(new, tuple)
@@ -222,11 +217,10 @@ class PredictingKVCacheManager(PredictedRuns, PredictedLosses, PredictedReports)
     def _allocate(self, request: Any, num_new_tokens: int, num_new_computed_tokens: int,
                   new_computed_blocks: KVCacheBlockIds | None, num_lookahead_tokens: int,
                   num_external_computed_tokens: int, delay_cache_blocks: bool,
-                  num_encoder_tokens: int, full_sequence_must_fit: bool = False,
-                  reserved_blocks: int = 0, num_in_flight_tokens: int = 0, watermark_blocks: int = 0,
-                  skip_zeroing_group_ids: tuple[int, ...] = ()) -> BlockIds | None:  # fmt: skip
+                  num_encoder_tokens: int) -> BlockIds | None:  # fmt: skip
         """allocate_slots for a new request, a hit, a KV connector's or encoder's tokens,
-        or bad input (the mirror's engine names it, and nothing is sent)."""
+        vLLM 0.33's admission inputs, or bad input (the mirror's engine names it, and
+        nothing is sent)."""
         rid = request.request_id
         hit: tuple[tuple[int, ...], ...] | None = None
         if new_computed_blocks is not None and num_new_computed_tokens:
@@ -240,11 +234,10 @@ class PredictingKVCacheManager(PredictedRuns, PredictedLosses, PredictedReports)
         a.num_external_computed_tokens = num_external_computed_tokens
         a.delay_cache_blocks = delay_cache_blocks
         a.num_encoder_tokens = num_encoder_tokens
-        a.full_sequence_must_fit = full_sequence_must_fit
-        a.reserved_blocks = reserved_blocks
-        a.num_in_flight_tokens = num_in_flight_tokens
-        a.watermark_blocks = watermark_blocks
-        a.skip_zeroing_group_ids.extend(skip_zeroing_group_ids)
+        admission = self.admission
+        full, a.reserved_blocks, a.num_in_flight_tokens, a.watermark_blocks, skip_zeroing = admission
+        a.full_sequence_must_fit = full
+        a.skip_zeroing_group_ids.extend(skip_zeroing)
         if hit is not None:
             a.num_new_computed_tokens = num_new_computed_tokens
             for group in hit:
@@ -254,8 +247,7 @@ class PredictingKVCacheManager(PredictedRuns, PredictedLosses, PredictedReports)
             new = mirror.allocate(
                 rid, num_new_tokens, num_new_computed_tokens if hit is not None else 0,
                 hit, num_lookahead_tokens,
-                num_external_computed_tokens, delay_cache_blocks, num_encoder_tokens,
-                full_sequence_must_fit, reserved_blocks, num_in_flight_tokens, watermark_blocks, skip_zeroing_group_ids,
+                num_external_computed_tokens, delay_cache_blocks, num_encoder_tokens, *admission,
             )  # fmt: skip
         except StaleCacheHitError:
             # as the server answers a stale hit: refused, nothing changed (its sync undone)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from .items import Admission
 from .mirror import UINT32_MAX, Mirror
 from .sender import StepSender
 from .session import SessionKeeper
@@ -26,8 +27,8 @@ class PredictedRuns:
     sender: StepSender
     tracker: RequestTracker
     mirror: Mirror
-    #: vLLM 0.33's admission inputs of the allocation being made (``Predicting033KVCacheManager``)
-    admission: tuple[Any, ...] = ()
+    #: vLLM 0.33's admission inputs of the allocation being made (SessionFacts')
+    admission: Admission
     #: the token count of the request :meth:`allocate_running` last took a call of (its
     #: list's length: what vLLM's ``num_tokens`` property gives), for vLLM's adapter
     running_tokens = 0
@@ -43,7 +44,7 @@ class PredictedRuns:
             sender.failure is not None or keeper.lost is not None or keeper.clock() >= keeper.valid_until
             or type(num_new_tokens) is not int or num_new_tokens <= 0
             or type(num_lookahead_tokens) is not int or num_lookahead_tokens < 0
-            or (self.admission and any(self.admission))
+            or any(self.admission)
         ):  # fmt: skip
             return NOT_TAKEN
         tracker = self.tracker

@@ -17,6 +17,7 @@ from . import _requests as rq
 from .client import KVCoordClient
 from .errors import FailedPreconditionError, KVCoordError
 from .hashing import pool_seed
+from .items import NO_ADMISSION, Admission
 from .sender import StepSender
 from .session import SessionKeeper
 from .tracking import RequestTracker
@@ -92,6 +93,9 @@ class SessionFacts:
 
     keeper: SessionKeeper
     sender: StepSender
+    #: vLLM 0.33's admission inputs of the allocation being made (its adapter sets them
+    #: around each allocate_slots; the allocation sends them and the mirror applies them)
+    admission: Admission = NO_ADMISSION
 
     def _open(
         self, client: KVCoordClient, pool: str, hash_seed: str | None

@@ -62,7 +62,7 @@ from kvcoord.v1 import allocator_pb2 as pb
 
 from .client import KVCoordClient
 from .errors import RequestsLostError
-from .items import Item, KVCacheBlockIds
+from .items import NO_ADMISSION
 from .manager import RemoteKVCacheManager
 from .predicting import PredictingKVCacheManager
 from .vllm import (
@@ -107,12 +107,6 @@ VLLM_033 = "vllm-0.33"
 _PROFILES = {"0.16": VLLM_016, "0.33": VLLM_033}
 
 
-#: what a Remote033 / Predicting033 manager's ``admission`` is outside vLLM 0.33's
-#: allocate_slots: full_sequence_must_fit, reserved_blocks, num_in_flight_tokens,
-#: watermark_blocks, skip_zeroing_group_ids
-NO_ADMISSION: tuple[bool, int, int, int, tuple[int, ...]] = (False, 0, 0, 0, ())
-
-
 def vllm_profile(version: str | None = None) -> str:
     """The semantics profile matching vLLM ``version`` (default: the installed one):
     ``vllm-0.16`` for 0.16.x, ``vllm-0.33`` for 0.33.x.
@@ -141,22 +135,9 @@ class Remote033KVCacheManager(RemoteConnector033, RemoteMamba033, RemoteKVCacheM
     def __init__(self, client: Any, pool: str, **kwargs: Any) -> None:
         kwargs["exclusive"] = False
         super().__init__(client, pool, profile=VLLM_033, **kwargs)
-        #: full_sequence_must_fit, reserved_blocks, num_in_flight_tokens,
-        #: watermark_blocks and skip_zeroing_group_ids of the allocation being built
-        self.admission: tuple[bool, int, int, int, tuple[int, ...]] = NO_ADMISSION
         #: the request of the last lookup and its shared-prefix boundary
         self.boundary: tuple[str, int] = ("", 0)
         name_extra_keys_033(self.tracker, self.config)
-
-    def _item(self, *args: Any) -> Item[Any]:
-        item = super()._item(*args)
-        a = item.op.allocate
-        full, reserved, in_flight, watermark, skip_zeroing = self.admission
-        a.full_sequence_must_fit, a.reserved_blocks, a.num_in_flight_tokens, a.watermark_blocks = (
-            full, reserved, in_flight, watermark,
-        )  # fmt: skip
-        a.skip_zeroing_group_ids.extend(skip_zeroing)
-        return item
 
     def new_step_starts(self) -> None:
         self.defer_op(pb.Operation(new_step_starts=pb.NewStepStartsOp()))
@@ -184,21 +165,7 @@ class Predicting033KVCacheManager(PredictingConnector033, PredictedMamba033, Pre
 
     def __init__(self, client: Any, pool: str, **kwargs: Any) -> None:
         super().__init__(client, pool, profile=VLLM_033, **kwargs)
-        #: full_sequence_must_fit, reserved_blocks, num_in_flight_tokens,
-        #: watermark_blocks and skip_zeroing_group_ids of the allocation being made
-        self.admission: tuple[bool, int, int, int, tuple[int, ...]] = NO_ADMISSION
         name_extra_keys_033(self.tracker, self.config)
-
-    def allocate_slots(  # type: ignore[override]
-        self, request: Any, num_new_tokens: int, num_new_computed_tokens: int = 0,
-        new_computed_blocks: KVCacheBlockIds | None = None, num_lookahead_tokens: int = 0,
-        num_external_computed_tokens: int = 0, delay_cache_blocks: bool = False, num_encoder_tokens: int = 0,
-        return_table: bool = False,
-    ) -> KVCacheBlockIds | None:  # fmt: skip
-        return super().allocate_slots(
-            request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_lookahead_tokens,
-            num_external_computed_tokens, delay_cache_blocks, num_encoder_tokens, return_table, *self.admission,
-        )  # fmt: skip
 
     def new_step_starts(self) -> None:
         self._settled()

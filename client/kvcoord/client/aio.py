@@ -14,9 +14,8 @@ from kvcoord.v1 import allocator_pb2 as pb
 
 from . import _requests as rq
 from . import given_up
-from .api import LIST_POOLS, AsyncApi, Coro, Req, Resp, Rpc, merged
+from .api import LIST_POOLS, AsyncApi, Call, Coro, Req, Resp, Rpc, merged
 from .errors import KVCoordError, OutcomeUnknownError, error_from_rpc
-from .retry import Attempts
 from .step_pieces import (
     free_pieces,
     inspect_pieces,
@@ -137,28 +136,16 @@ class AsyncKVCoordClient(AsyncApi):
             )
 
     async def _attempts(self, rpc: str, request: Any) -> Any:
-        routes = self.routes
-        pool = routes.pool_of(rpc, request)
-        attempts = Attempts(self.retry, rq.kind_of(rpc, request), self.retry_horizon)
-        hops = 0
-        named = given_up.name_on(rpc, request)  # its session's calls given up on
+        call = Call(self, rpc, request)
         while True:
-            address = routes.route(pool)
-            method = getattr(self._connection(address)[1], rpc)
+            method = getattr(self._connection(call.route())[1], rpc)
             try:
                 response = await method(request, timeout=self.timeout, metadata=self._metadata)
             except grpc.RpcError as exc:
                 err = error_from_rpc(exc, rpc)
             else:
-                routes.answered(rpc, request, response, pool, address)
-                given_up.answered(rpc, request, named)
-                return response
-            try:
-                pause = self._pause(attempts, err, pool, address, hops)
-            except KVCoordError as final:
-                given_up.failed(rpc, request, final)  # (remembered when its outcome is unknown)
-                raise
-            hops = hops + 1 if pause is None else 0  # redirects are followed again after a pause
+                return call.answered(response)
+            pause = call.failed(err)  # (raised outside the handler: no RpcError chained)
             if pause is not None:
                 await asyncio.sleep(pause)
 

@@ -1,6 +1,7 @@
 """What both clients of the Allocator service share: each unary RPC (its name, message
 types and request builder) bound as a method of both, the channel set-up per replica,
-and the merge of several replicas' pool lists.
+one call's attempts (:class:`Call`: routing, retries, calls given up on) and the merge
+of several replicas' pool lists.
 
 :mod:`kvcoord.client.client` (blocking) and :mod:`kvcoord.client.aio` (asyncio) each
 give the transport (``unary``) and the methods that differ (``list_pools``,
@@ -21,6 +22,7 @@ from kvcoord.v1 import allocator_pb2 as pb
 from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
 
 from . import _requests as rq
+from . import given_up
 from .errors import KVCoordError
 from .owners import AGAIN, SETTLE, Routes
 from .retry import DEFAULT_RETRY, Attempts, RetryPolicy
@@ -34,6 +36,7 @@ __all__ = [
     "Api",
     "AsyncApi",
     "BlockingApi",
+    "Call",
     "Coro",
     "Rpc",
     "merged",
@@ -229,19 +232,6 @@ class Api:
             request, metadata=self._metadata, **kw
         )
 
-    def _pause(
-        self, attempts: Attempts, err: KVCoordError, pool: str, address: str, hops: int
-    ) -> float | None:
-        """After a failed attempt: None to call again at once (a redirect to follow,
-        another replica to ask), else the seconds to wait first (the routes decide
-        whether the replica set is changing hands; the policy bounds the wait and
-        raises the final error)."""
-        attempts.note(err)
-        step = self.routes.failed(err, pool, address, hops, attempts.kind)
-        if step == AGAIN:
-            return None
-        return attempts.next_sleep(err, changing=step == SETTLE)
-
     def _learn(self, rpc: str, response: Any) -> None:
         """What any Attach answer tells the asyncio client, however the Attach was made:
         the server's max_ops_per_step (``step_piece_ops``,
@@ -255,6 +245,58 @@ class Api:
     @staticmethod
     def _intercepted(channel: Any, interceptors: Sequence[Any]) -> Any:
         return grpc.intercept_channel(channel, *interceptors) if interceptors else channel
+
+
+class Call:
+    """One call's attempts, as both clients make them (each only sends them, and
+    sleeps): where each attempt goes (its pool's owner), what an answer teaches the
+    routes and the record of calls given up on, and what follows a failure.
+
+    Args:
+        api: the client.
+        rpc, request: the call (``request`` names its session's calls given up on
+            now: :func:`~kvcoord.client.given_up.name_on`).
+    """
+
+    def __init__(self, api: Api, rpc: str, request: Any) -> None:
+        self.routes, self.rpc, self.request = api.routes, rpc, request
+        self.pool = api.routes.pool_of(rpc, request)
+        self.attempts = Attempts(api.retry, rq.kind_of(rpc, request), api.retry_horizon)
+        #: redirects followed in a row (reset by a pause)
+        self.hops = 0
+        self.named = given_up.name_on(rpc, request)
+        self.address = ""
+
+    def route(self) -> str:
+        """The address of the next attempt."""
+        self.address = self.routes.route(self.pool)
+        return self.address
+
+    def answered(self, response: Any) -> Any:
+        """The attempt was answered: ``response``, remembered by the routes."""
+        self.routes.answered(self.rpc, self.request, response, self.pool, self.address)
+        given_up.answered(self.rpc, self.request, self.named)
+        return response
+
+    def failed(self, err: KVCoordError) -> float | None:
+        """The attempt failed with ``err``: None to call again at once (a redirect to
+        follow, another replica to ask), else the seconds to wait first (the routes
+        decide whether the replica set is changing hands; the policy bounds the wait).
+
+        Raises:
+            KVCoordError: the call's final error (remembered as given up on when its
+                outcome is unknown).
+        """
+        attempts = self.attempts
+        try:
+            attempts.note(err)
+            step = self.routes.failed(err, self.pool, self.address, self.hops, attempts.kind)
+            pause = None if step == AGAIN else attempts.next_sleep(err, changing=step == SETTLE)
+        except KVCoordError as final:
+            given_up.failed(self.rpc, self.request, final)
+            raise
+        self.hops = self.hops + 1 if pause is None else 0  # redirects are followed again after a pause
+        return pause
 
 
 def retry_horizon(attached: pb.AttachResponse) -> float:

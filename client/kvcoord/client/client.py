@@ -17,10 +17,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvcoord.v1 import allocator_pb2 as pb
 
 from . import _requests as rq
-from . import given_up
-from .api import LIST_POOLS, BlockingApi, Req, Resp, Rpc, merged
-from .errors import KVCoordError, error_from_rpc
-from .retry import Attempts
+from .api import LIST_POOLS, BlockingApi, Call, Req, Resp, Rpc, merged
+from .errors import error_from_rpc
 from .step_pieces import (
     free_pieces,
     inspect_pieces,
@@ -82,27 +80,15 @@ class KVCoordClient(BlockingApi):
             # grpcio crashes the process when an intercepted channel is used after
             # close (a plain one raises this same ValueError): never reach it
             raise ValueError(f"{rpc} on a closed KVCoordClient")
-        routes = self.routes
-        pool = routes.pool_of(rpc, request)
-        attempts = Attempts(self.retry, rq.kind_of(rpc, request), self.retry_horizon)
-        hops = 0
-        named = given_up.name_on(rpc, request)  # its session's calls given up on
+        call = Call(self, rpc, request)
         while True:
-            address = routes.route(pool)
             try:
-                response = self._attempt(rpc, request, address)
+                response = self._attempt(rpc, request, call.route())
             except grpc.RpcError as exc:
                 err = error_from_rpc(exc, rpc)
             else:
-                routes.answered(rpc, request, response, pool, address)
-                given_up.answered(rpc, request, named)
-                return response
-            try:
-                pause = self._pause(attempts, err, pool, address, hops)
-            except KVCoordError as final:
-                given_up.failed(rpc, request, final)  # (remembered when its outcome is unknown)
-                raise
-            hops = hops + 1 if pause is None else 0  # redirects are followed again after a pause
+                return call.answered(response)
+            pause = call.failed(err)  # (raised outside the handler: no RpcError chained)
             if pause is not None:
                 time.sleep(pause)
 

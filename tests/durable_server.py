@@ -83,6 +83,7 @@ class DurableServer:
         self._log: Any = None
         self.starts = 0
         self.kills = 0
+        self.start_seconds = 0.0  # how long the last start took to answer health
         self.lock = threading.Lock()
 
     def start(
@@ -102,7 +103,8 @@ class DurableServer:
         if max_file_bytes is not None:
             resource.prlimit(self.proc.pid, resource.RLIMIT_FSIZE, (max_file_bytes, max_file_bytes))
         self.starts += 1
-        deadline = time.monotonic() + timeout
+        began = time.monotonic()
+        deadline = began + timeout
         with KVCoordClient(self.address, timeout=1.0) as c:
             while True:
                 if self.proc.poll() is not None:
@@ -112,6 +114,7 @@ class DurableServer:
                 # saw a server that came up 0.1-0.4 s late (at every restart of a test)
                 try:
                     if _accepts(self.port) and c.health() == "SERVING":
+                        self.start_seconds = time.monotonic() - began
                         return
                 except KVCoordError:
                     pass
@@ -197,6 +200,27 @@ def leased_server(tmp: Path, lease: float, num_blocks: int, stall: float | None 
         )
     )
     return server
+
+
+def started_for_grace(tmp: Path, lease: float, num_blocks: int, starts: int) -> tuple[DurableServer, float]:
+    """A started :func:`leased_server` whose lease, and so the grace a restore or a lost
+    journal begins, outlasts ``starts`` more starts of it, each answering a probe: the
+    lease asked for, or twice the time those starts take at the speed of the first one
+    where that is longer. A grace must still be running when a restarted process
+    answers, and on a loaded machine a start took 20-35 s (load 25-30 on 2 cores;
+    1-2 s idle): a 5 s grace had ended before the first probe (a slow start, not a short
+    grace). A slow first start is stopped and made again, on a new data directory, with
+    the longer lease. Returns the server and its lease."""
+    server = leased_server(tmp, lease, num_blocks)
+    server.start()
+    needed = math.ceil(2 * starts * server.start_seconds)
+    if needed <= lease:
+        return server, lease
+    server.stop()
+    shutil.rmtree(server.data_dir)
+    server = leased_server(tmp, needed, num_blocks)
+    server.start()
+    return server, float(needed)
 
 
 def step_allocate(c: KVCoordClient, session: Any, rid: str, num_tokens: int) -> list[int]:

@@ -24,6 +24,7 @@ from durable_server import (
     refused_for_grace,
     restore_volume,
     serve_once,
+    started_for_grace,
     step_allocate,
     workers_told_more_than_the_copy,
 )
@@ -32,16 +33,16 @@ from kvcoord.client.errors import FencedError, GracePeriodError, KVCoordError, S
 from kvcoord.v1 import allocator_pb2 as pb
 
 
+@pytest.mark.timeout(900)  # (a grace scaled to a loaded machine's starts: minutes there)
 def test_a_grace_period_survives_sigkills_inside_it(tmp_path: Path) -> None:
     """Issue 26 scenario 2: after a detected restore the server refuses attaches
     (GRACE_PERIOD); SIGKILLed and restarted inside that period again and again (a crash
     loop), each new process still refuses them, and the first block handed to another
     worker comes after the first worker's lease has certainly ended. (Before, the first
     restart recovered its own new journal "normally" and dropped the grace.)"""
-    lease = 15.0
-    server = leased_server(tmp_path, lease, num_blocks=9)
+    # the restore's start and 2 restarts inside the grace (15 s, longer on a slow machine)
+    server, lease = started_for_grace(tmp_path, 15.0, num_blocks=9, starts=3)
     journal = server.data_dir / "journal.sqlite"
-    server.start()
     try:
         with KVCoordClient(server.address) as c:
             a = attach(c, "worker-a", lease)
@@ -75,6 +76,7 @@ def test_a_grace_period_survives_sigkills_inside_it(tmp_path: Path) -> None:
         server.stop()
 
 
+@pytest.mark.timeout(900)  # (a grace scaled to a loaded machine's starts: minutes there)
 def test_a_lost_journal_refuses_to_start_until_told_to_start_empty(tmp_path: Path) -> None:
     """Issue 26 scenario 4: journal.sqlite deleted (or truncated to 0 bytes) while
     journal.progress names committed records: `kvcoord serve` exits 5 naming the loss
@@ -84,11 +86,10 @@ def test_a_lost_journal_refuses_to_start_until_told_to_start_empty(tmp_path: Pat
     empty at once and overwrote the progress file.)"""
     from kvcoord.service.main import EXIT_JOURNAL_LOST
 
-    lease = 5.0
-    server = leased_server(tmp_path, lease, num_blocks=9)
+    # the empty start and a restart inside the grace (5 s, longer on a slow machine)
+    server, lease = started_for_grace(tmp_path, 5.0, num_blocks=9, starts=2)
     journal = server.data_dir / "journal.sqlite"
     progress = server.data_dir / "journal.progress"
-    server.start()
     with KVCoordClient(server.address) as c:
         a = attach(c, "worker-a", lease)
         step_allocate(c, a, "a1", 8)

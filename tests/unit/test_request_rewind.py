@@ -210,6 +210,38 @@ def test_a_decode_step_after_a_rewind_rolled_back_is_no_run_entry() -> None:
     assert again.rewind_num_tokens == 10 and list(again.append_token_ids) == [50, 60]
 
 
+def _decode(t: RequestTracker, r: Any, token: int) -> None:
+    """One decode step of ``r`` through the tracker's decode path (its next token)."""
+    r.all_token_ids._x.append(token)
+    r.num_computed_tokens = len(r.all_token_ids) - 1
+    r.block_hashes.extend(_hashes(list(r.all_token_ids._x))[len(r.block_hashes) :])
+    assert t.next_token(r) is not None
+
+
+def test_a_cut_at_a_position_restored_to_is_seen_behind_later_notes() -> None:
+    """The notes are a ring of the last positions sent, written over in place: after
+    forty committed decode steps (the ring wrapped) and five more whose Steps failed,
+    the position is restored to one five notes behind the newest, and a change of its
+    last token is found there and rewound, never sent as if the request were unchanged."""
+    t = RequestTracker(_config(), NONE)
+    r = _vllm_request(list(range(100, 111)))
+    r.num_computed_tokens = 10
+    t.sync(r)
+    t.commit(["r"])
+    for i in range(40):
+        _decode(t, r, 200 + i)
+        t.commit(["r"])
+    for i in range(5):
+        _decode(t, r, 300 + i)
+    t.rollback(["r"])
+    assert t.mark("r") == (51, 12, 50, True)
+    r.all_token_ids._x[50] = 5  # the last token the server holds, changed
+    r.num_computed_tokens = 50
+    sync = t.sync(r)
+    assert sync.HasField("rewind_num_tokens") and sync.rewind_num_tokens == 50
+    assert (sync.base_num_tokens, list(sync.append_token_ids)) == (51, [5, 300, 301, 302, 303, 304])
+
+
 # -- the session's prompt length (vLLM 0.33: num_prompt_tokens grows at the cut) -------
 def _sparse_session(grow: bool) -> tuple[Driver, list[int], Any]:
     """vllm-0.33 full + sliding window (8 tokens, sparse retention): session "s", its

@@ -28,35 +28,100 @@ import grpc
 
 from .errors import InvalidArgumentError
 
-__all__ = ["changed", "note", "note_token", "rewind_point"]
+__all__ = [
+    "changed",
+    "forget_after",
+    "new_lasts",
+    "new_seen",
+    "note",
+    "note_token",
+    "rewind_point",
+    "seen_at",
+]
 
-#: entries of ``seen`` kept (the oldest dropped past it): several times the most
-#: positions a request can move back by (a backlog of 8 Steps)
+#: notes kept (the oldest overwritten past it): several times the most positions a
+#: request can move back by (a backlog of 8 Steps)
 _KEEP = 32
+#: a note's four values in ``seen``: its position (0: no note), last token, hash count
+#: and the slot of ``lasts`` holding its last hash
+_WIDTH = 4
+_SPAN = _KEEP * _WIDTH
+
+
+def new_seen() -> list[Any]:
+    """An empty ring of notes (``t.seen``): :data:`_KEEP` notes of :data:`_WIDTH`
+    values in one flat list, the newest at offset ``t.seen_at``; their last hashes
+    (objects, compared by identity first) in ``t.lasts``, a ring of :data:`_KEEP`
+    advanced only when the last hash changes (once a block, not once a token). A decode
+    step's note overwrites a slot in place: no tuple, entry or table made, moved or
+    freed per token (a dict of tuples cost twice the memory lines, and more
+    instructions than these four stores of a list's items)."""
+    return [0] * _SPAN
+
+
+def new_lasts() -> list[object]:
+    """An empty ring of last hashes (``t.lasts``, see :func:`new_seen`)."""
+    return [None] * _KEEP
 
 
 def note(t: Any, tokens: Sequence[int], given: Sequence[bytes] | None) -> None:
     """Remember what the request's tracker ``t`` has sent at its position now: the last
     token (read from ``tokens``), the hash count and the last hash (from ``given``, the
-    request's own hashes, ``None`` when the tracker hashes)."""
+    request's own hashes, ``None`` when the tracker hashes). A note equal to the newest
+    is not written again (a request synced unchanged, as a waiting one looked up every
+    step, keeps its older notes)."""
     n = t.sent_tokens
     if n:
         h = t.sent_hashes
-        note_token(t, tokens[n - 1], given[h - 1] if h and given is not None else None)
+        token, last = tokens[n - 1], given[h - 1] if h and given is not None else None
+        ring, at = t.seen, t.seen_at
+        if ring[at] == n and ring[at + 1] == token and ring[at + 2] == h and t.lasts[ring[at + 3]] is last:
+            return
+        note_token(t, token, last)
 
 
 def note_token(t: Any, token: int, last_hash: object) -> None:
-    """:func:`note` with the last token and hash at hand (a decode step's)."""
-    seen = t.seen
-    seen[t.sent_tokens] = (token, t.sent_hashes, last_hash)
-    if len(seen) > _KEEP:
-        # the oldest noted goes (constant time): a position is only ever restored to the
-        # committed one or later, at most a client's backlog of Steps back (8), each
-        # noting one position per request. (Dropping those below the committed position
-        # instead kept every position of a request decoded through the inline path,
-        # whose committed mark does not move per token: the dict grew with the request
-        # and each decode step scanned it.)
-        del seen[next(iter(seen))]
+    """:func:`note` with the last token and hash at hand (a decode step's, always at a
+    new position), written over the oldest note (constant time): a position is only
+    ever restored to the committed one or later, at most a client's backlog of Steps
+    back (8), each noting one position per request."""
+    lasts = t.lasts
+    k = t.last_at
+    if lasts[k] is not last_hash:
+        k += 1
+        if k == _KEEP:
+            k = 0
+        t.last_at = k
+        lasts[k] = last_hash
+    ring = t.seen
+    at = t.seen_at + _WIDTH
+    if at == _SPAN:
+        at = 0
+    t.seen_at = at
+    ring[at] = t.sent_tokens
+    ring[at + 1] = token
+    ring[at + 2] = t.sent_hashes
+    ring[at + 3] = k
+
+
+def seen_at(t: Any, n: int) -> tuple[Any, int, object] | None:
+    """The newest note at position ``n``: its last token, hash count and last hash
+    (``None``: none kept)."""
+    ring = t.seen
+    at = t.seen_at
+    for i in range(_KEEP):
+        j = (at - i * _WIDTH) % _SPAN
+        if ring[j] == n:
+            return ring[j + 1], ring[j + 2], t.lasts[ring[j + 3]]
+    return None
+
+
+def forget_after(t: Any, n: int) -> None:
+    """Drop the notes of positions past ``n`` (a rewind to ``n``)."""
+    ring = t.seen
+    for j in range(0, _SPAN, _WIDTH):
+        if ring[j] > n:
+            ring[j] = 0
 
 
 def changed(t: Any, tokens: Sequence[int], given: Sequence[bytes] | None) -> bool:
@@ -72,7 +137,7 @@ def changed(t: Any, tokens: Sequence[int], given: Sequence[bytes] | None) -> boo
         return True
     if len(tokens) < n:
         return True
-    seen = t.seen.get(n)
+    seen = seen_at(t, n)
     if seen is None:
         return False  # (nothing noted there: not a position this tracker sent)
     token, h, last = seen
@@ -98,10 +163,10 @@ def rewind_point(request_id: str, t: Any, tokens: Sequence[int], given: Sequence
             computed token (not a cut session: another request under a tracked id).
     """
     n, have = t.sent_tokens, len(tokens)
-    seen = t.seen.get(n)
+    seen = seen_at(t, n)
     hash_only = have >= n and seen is not None and tokens[n - 1] == seen[0] and not t.uncertain
     # the change is at or below ``bound``: refused when that reaches a computed position
-    if hash_only:  # hash h - 1, the last sent, changed: at its block's last position
+    if hash_only and seen is not None:  # hash h - 1, the last sent, changed: at its block's last position
         bound = min(n, seen[1] * hash_block_size - 1)
     elif t.uncertain:  # what the server holds past the computed tokens is sent again
         bound = min(have, n)

@@ -20,7 +20,7 @@ from kvcoord.v1 import allocator_pb2 as pb
 
 from .errors import InvalidArgumentError, KVCoordError, RequestsLostError
 from .hashing import BlockHasher, MultiModalItem
-from .rewinds import changed, note, note_token, rewind_point
+from .rewinds import changed, forget_after, new_lasts, new_seen, note, note_token, rewind_point
 from .sync_values import SyncValues
 from .token_lists import as_bytes, token_list
 
@@ -62,8 +62,12 @@ class _Tracked:
     request: Any = None
     tokens: list[int] | None = None
     #: per position sent (a token count), the last token, hash count and last hash (its
-    #: very object) then sent, to see a rewind at the next sync (:mod:`.rewinds`)
-    seen: dict[int, tuple[int, int, object]] = dataclasses.field(default_factory=dict)
+    #: very object) then sent, to see a rewind at the next sync: rings of the last notes,
+    #: written in place (:func:`.rewinds.new_seen`)
+    seen: list[Any] = dataclasses.field(default_factory=new_seen)
+    seen_at: int = 0
+    lasts: list[object] = dataclasses.field(default_factory=new_lasts)
+    last_at: int = 0
     #: a rewind sent, not all committed since; ``uncertain``: the position moved back
     #: meanwhile, so the next sync rewinds whatever it sees (:mod:`.rewinds`)
     rewound: bool = False
@@ -171,8 +175,7 @@ class RequestTracker:
             t.rewound, t.uncertain = True, False
             t.changed_from = before
             t.sent_tokens, t.sent_hashes = rewind, min(t.sent_hashes, rewind // self.config.hash_block_size)
-            for k in [k for k in t.seen if k > rewind]:
-                del t.seen[k]
+            forget_after(t, rewind)
         n = len(tokens)
         if n > t.sent_tokens:
             # a registration's prompt: copied once, into the list the mirror's engine keeps
@@ -285,9 +288,11 @@ class RequestTracker:
             prompt = None
         if prompt != t.prompt:
             return None  # (a streaming session's prompt grew: sync_run tells)
-        seen = t.seen.get(base_t)
-        if seen is None or t.uncertain or tokens[base_t - 1] != seen[0]:
-            return None  # (maybe a rewind: sync_run tells)
+        ring = t.seen
+        at = t.seen_at
+        if ring[at] != base_t or t.uncertain or tokens[base_t - 1] != ring[at + 1]:
+            return None  # (maybe a rewind, or a position restored: sync_run tells)
+        last = t.lasts[ring[at + 3]]
         base_h = t.sent_hashes
         block_hash = None
         if self.enable_caching:
@@ -299,7 +304,7 @@ class RequestTracker:
                 block_hash = given[base_h]
                 if type(block_hash) is not bytes:
                     return None  # (sync_run makes it one)
-            if base_h and given[base_h - 1] is not seen[2]:
+            if base_h and given[base_h - 1] is not last:
                 return None  # (maybe a rewind, or an equal hash: sync_run tells)
         computed = request.num_computed_tokens
         if type(computed) is not int:
@@ -310,7 +315,7 @@ class RequestTracker:
             t.sent_hashes = base_h + 1
         t.sent_computed = computed
         token = tokens[base_t]
-        note_token(t, token, block_hash if block_hash is not None else seen[2])
+        note_token(t, token, block_hash if block_hash is not None else last)
         return base_t, base_h, token, computed, was, block_hash
 
     def hashes(self, request: Any) -> Sequence[bytes]:

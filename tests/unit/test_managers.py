@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import pytest
 from kvcoord.engine import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
@@ -119,6 +122,29 @@ def test_common_prefix_blocks() -> None:
     d.admit("C", toks(1, 8) + toks(301, 304))
     assert [d.ids(r)[0] for r in "ABC"] == [(1, 2, 3), (1, 2, 4), (1, 2, 5)]
     assert d.pool.get_num_common_prefix_blocks("A") == (2,)
+
+
+@pytest.mark.parametrize(
+    ("groups", "kw", "lone"),
+    [
+        ((FullAttentionSpec(4),), {}, True),
+        ((FullAttentionSpec(4),), {"enable_caching": False}, False),  # the no-cache coordinator: zeros
+        ((FullAttentionSpec(4),), {"profile": "vllm-0.33"}, False),  # zeros by the profile's rule
+        ((FullAttentionSpec(4), SlidingWindowSpec(4, 8)), {}, False),
+    ],
+    ids=["full", "no-caching", "033", "full+swa"],
+)
+def test_the_lone_common_prefix_read_is_the_pools_own(groups: Any, kw: Any, lone: bool) -> None:
+    """``lone_common_prefix`` (the predicted mirror's read, every scheduler step) is the
+    one manager's count only where the pool's own answer is that count, and equals it."""
+    d = Driver(groups, num_blocks=40, **kw)
+    d.admit("A", toks(1, 12))
+    d.admit("B", toks(1, 8) + toks(201, 204))
+    read = d.pool.lone_common_prefix()
+    assert (read is not None) == lone
+    if read is not None:
+        for rid in "AB":
+            assert (read(rid),) == d.pool.get_num_common_prefix_blocks(rid) == (2,)
 
 
 def test_sink_attention_holds_blocks_forever() -> None:

@@ -128,6 +128,7 @@ class Mirror:
         #: pool's chain of calls (every function a step runs once is cold in the caches)
         self._free_queue = engine.block_pool.free_block_queue
         self._common_prefix = engine.get_num_common_prefix_blocks
+        self._lone_common_prefix = engine.lone_common_prefix()  # (one group: its manager's, one call)
         #: the session's events (the engine's values) since the Step was cut, for the
         #: sender to digest as the server does, and those not given to the scheduler yet
         #: (what ``convert`` made of them, when set: vLLM's types, made as the engine
@@ -241,8 +242,9 @@ class Mirror:
         every step)."""
         if request_id not in self.engine.requests:
             return None
+        lone = self._lone_common_prefix
         try:
-            value = list(self._common_prefix(request_id))
+            value = [lone(request_id)] if lone is not None else list(self._common_prefix(request_id))
         except EngineError as err:
             raise engine_error(err) from None
         if self._block_pool.kv_event_queue:

@@ -4,6 +4,9 @@ replica state and snapshots. Nothing here takes or frees a block.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+from .coordinators_base import KVCacheCoordinator
 from .events import KVCacheEvent
 from .managers import MambaManager, MambaManager033
 from .managers.partial import CopyOnWrite, PartialMambaManager
@@ -66,6 +69,20 @@ class PoolInspection(PoolRequests):
         if self.rules.common_prefix_zeros:
             return (0,) * len(self.managers)
         return tuple(self.coordinator.get_num_common_prefix_blocks(request_id))
+
+    def lone_common_prefix(self) -> Callable[[str], int] | None:
+        """In a pool of one group whose coordinator reads its manager's count, that
+        manager's ``get_num_common_prefix_blocks``: :meth:`get_num_common_prefix_blocks`'s
+        one value for a request the pool holds (unchecked), in one call, for a caller
+        reading it every scheduler step; ``None`` for any other pool."""
+        if (
+            self.rules.common_prefix_zeros
+            or len(self.managers) != 1
+            or type(self.coordinator).get_num_common_prefix_blocks
+            is not KVCacheCoordinator.get_num_common_prefix_blocks
+        ):
+            return None
+        return self.managers[0].get_num_common_prefix_blocks
 
     @property
     def num_free_blocks(self) -> int:

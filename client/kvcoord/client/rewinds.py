@@ -29,9 +29,9 @@ import grpc
 from .errors import InvalidArgumentError
 
 __all__ = [
+    "FIRST_LAST",
     "changed",
     "forget_after",
-    "new_lasts",
     "new_seen",
     "note",
     "note_token",
@@ -43,25 +43,23 @@ __all__ = [
 #: request can move back by (a backlog of 8 Steps)
 _KEEP = 32
 #: a note's four values in ``seen``: its position (0: no note), last token, hash count
-#: and the slot of ``lasts`` holding its last hash
+#: and the index of the item holding its last hash
 _WIDTH = 4
 _SPAN = _KEEP * _WIDTH
+#: the index of the first of the ring's last hashes (``t.last_at`` starts there)
+FIRST_LAST = _SPAN
 
 
 def new_seen() -> list[Any]:
-    """An empty ring of notes (``t.seen``): :data:`_KEEP` notes of :data:`_WIDTH`
-    values in one flat list, the newest at offset ``t.seen_at``; their last hashes
-    (objects, compared by identity first) in ``t.lasts``, a ring of :data:`_KEEP`
-    advanced only when the last hash changes (once a block, not once a token). A decode
-    step's note overwrites a slot in place: no tuple, entry or table made, moved or
-    freed per token (a dict of tuples cost twice the memory lines, and more
-    instructions than these four stores of a list's items)."""
-    return [0] * _SPAN
-
-
-def new_lasts() -> list[object]:
-    """An empty ring of last hashes (``t.lasts``, see :func:`new_seen`)."""
-    return [None] * _KEEP
+    """An empty ring of notes (``t.seen``), one flat list: :data:`_KEEP` notes of
+    :data:`_WIDTH` values, the newest at index ``t.seen_at``, then their last hashes
+    (objects, compared by identity first), a ring of :data:`_KEEP` from
+    :data:`FIRST_LAST`, the newest at ``t.last_at``, advanced only when the last hash
+    changes (once a block, not once a token). A decode step's note overwrites a slot in
+    place: no tuple, entry or table made, moved or freed per token (a dict of tuples
+    cost twice the memory lines, and more instructions than these stores of a list's
+    items)."""
+    return [0] * _SPAN + [None] * _KEEP
 
 
 def note(t: Any, tokens: Sequence[int], given: Sequence[bytes] | None) -> None:
@@ -75,7 +73,7 @@ def note(t: Any, tokens: Sequence[int], given: Sequence[bytes] | None) -> None:
         h = t.sent_hashes
         token, last = tokens[n - 1], given[h - 1] if h and given is not None else None
         ring, at = t.seen, t.seen_at
-        if ring[at] == n and ring[at + 1] == token and ring[at + 2] == h and t.lasts[ring[at + 3]] is last:
+        if ring[at] == n and ring[at + 1] == token and ring[at + 2] == h and ring[ring[at + 3]] is last:
             return
         note_token(t, token, last)
 
@@ -85,15 +83,14 @@ def note_token(t: Any, token: int, last_hash: object) -> None:
     new position), written over the oldest note (constant time): a position is only
     ever restored to the committed one or later, at most a client's backlog of Steps
     back (8), each noting one position per request."""
-    lasts = t.lasts
-    k = t.last_at
-    if lasts[k] is not last_hash:
-        k += 1
-        if k == _KEEP:
-            k = 0
-        t.last_at = k
-        lasts[k] = last_hash
     ring = t.seen
+    k = t.last_at
+    if ring[k] is not last_hash:
+        k += 1
+        if k == _SPAN + _KEEP:
+            k = _SPAN
+        t.last_at = k
+        ring[k] = last_hash
     at = t.seen_at + _WIDTH
     if at == _SPAN:
         at = 0
@@ -112,7 +109,7 @@ def seen_at(t: Any, n: int) -> tuple[Any, int, object] | None:
     for i in range(_KEEP):
         j = (at - i * _WIDTH) % _SPAN
         if ring[j] == n:
-            return ring[j + 1], ring[j + 2], t.lasts[ring[j + 3]]
+            return ring[j + 1], ring[j + 2], ring[ring[j + 3]]
     return None
 
 

@@ -20,7 +20,7 @@ from kvcoord.v1 import allocator_pb2 as pb
 
 from .errors import InvalidArgumentError, KVCoordError, RequestsLostError
 from .hashing import BlockHasher, MultiModalItem
-from .rewinds import changed, forget_after, new_lasts, new_seen, note, note_token, rewind_point
+from .rewinds import FIRST_LAST, changed, forget_after, new_seen, note, note_token, rewind_point
 from .sync_values import SyncValues
 from .token_lists import as_bytes, token_list
 
@@ -66,8 +66,7 @@ class _Tracked:
     #: written in place (:func:`.rewinds.new_seen`)
     seen: list[Any] = dataclasses.field(default_factory=new_seen)
     seen_at: int = 0
-    lasts: list[object] = dataclasses.field(default_factory=new_lasts)
-    last_at: int = 0
+    last_at: int = FIRST_LAST
     #: a rewind sent, not all committed since; ``uncertain``: the position moved back
     #: meanwhile, so the next sync rewinds whatever it sees (:mod:`.rewinds`)
     rewound: bool = False
@@ -292,7 +291,7 @@ class RequestTracker:
         at = t.seen_at
         if ring[at] != base_t or t.uncertain or tokens[base_t - 1] != ring[at + 1]:
             return None  # (maybe a rewind, or a position restored: sync_run tells)
-        last = t.lasts[ring[at + 3]]
+        last = ring[ring[at + 3]]
         base_h = t.sent_hashes
         block_hash = None
         if self.enable_caching:

@@ -400,18 +400,18 @@ def main() -> None:
             row += f"{n:>10}{ir / n if n else 0:>12.0f}"
         print(row)
     if args.cache_sim:
-        print_misses(got, sides)
+        print_misses(got, sides, [d for d in args.detail.split(",") if d])
     for s in sides:
         print(f"{s}: allocations told wrongly inside/taking: {got[s]['wrong']}")
 
 
-def print_misses(got: dict[str, Any], sides: list[str]) -> None:
-    """Per call kind: data reads and writes, L1 data misses and last-level misses
-    (instruction and data) per call, each side (``--cache-sim``)."""
+def print_misses(got: dict[str, Any], sides: list[str], detail: list[str]) -> None:
+    """Per call kind (and per ``--detail`` function): data reads and writes, L1 data
+    misses and last-level misses (instruction and data) per call, each side (``--cache-sim``)."""
     print("per call: Dr+Dw (data accesses), D1 misses (D1mr+D1mw), I1 misses, LL misses (ILmr+DLmr+DLmw)")
     print(f"{'call':<26}" + "".join(f"{s + ' D':>14}{'D1m':>9}{'I1m':>8}{'LLm':>7}" for s in sides))
-    for k in KINDS:
-        row = f"{k:<26}"
+    for k, name in [(k, k) for k in KINDS] + list(zip(DETAIL_MARKS, detail, strict=False)):
+        row = f"{name:<26}"
         for s in sides:
             ev, n = got[s]["events"], got[s]["calls"].get(k, 0)
             v = dict(zip(ev, got[s]["all"].get(k, [0] * len(ev)), strict=True))

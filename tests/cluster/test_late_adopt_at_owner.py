@@ -22,7 +22,7 @@ import durable_server
 import grpc
 import pytest
 from etcd_process import Etcd
-from kvcoord.client import NO_RETRY, KVCoordClient, KVCoordError
+from kvcoord.client import KVCoordClient
 from kvcoord.client.testing import ServerProcess, start_server
 from kvcoord.v1 import allocator_pb2 as pb
 from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
@@ -53,12 +53,16 @@ if keep:  # the state of each pool this replica hands over is also written to th
 
 
 def _held_at(address: str, pool: str) -> dict[str, list[int]] | None:
-    """The requests ``address`` itself serves of ``pool`` (one try, no redirect followed:
-    None when it does not serve it)."""
+    """The requests ``address`` itself serves of ``pool``: None when it does not serve
+    it. One InspectPool on a bare channel: a client follows a NOT_OWNER redirect (retry
+    policy or not), so the old owner answered for ``address`` (was: the wait for b ended
+    while a still held the pool, and the late copy reached b during the handover's own
+    adopt: ABORTED, "being adopted already")."""
+    request = pb.InspectPoolRequest(pool=pool, all_requests=True)
     try:
-        with KVCoordClient(address, timeout=5.0, retry=NO_RETRY) as c:
-            view = c.inspect_pool(pool, all_requests=True)
-    except KVCoordError:
+        with grpc.insecure_channel(address) as channel:
+            view = pb_grpc.AllocatorStub(channel).InspectPool(request, timeout=5)  # type: ignore[no-untyped-call]
+    except grpc.RpcError:
         return None
     return {r.request_id: list(r.groups[0].block_ids) for r in view.requests}
 

@@ -63,6 +63,8 @@ LEASE = 2  # a replica's membership lease (s): a dead owner's pools are taken ov
 SESSION_LEASE = 60.0  # a worker's session outlives every event of a run
 START_TRIES = 5  # starts of a replica whose store did not answer in time (exit 3), as a supervisor's
 RESTART_PAUSE = 1.0  # seconds between those starts
+#: what such a start logs (the store did not answer the connection, or a call while joining)
+STORE_LATE = ("no cluster store endpoint answers", "the cluster store failed while this replica joined")
 #: keyed Steps retried across a failover (several seconds on a loaded machine)
 PATIENT = dataclasses.replace(DEFAULT_RETRY, initial_backoff=0.02, max_backoff=0.3, keyed_deadline=60.0)
 #: errors that tell a worker its session, and so its requests, are gone
@@ -102,10 +104,11 @@ class Node:
         return self.proc is not None and self.proc.poll() is None
 
     def start(self, timeout: float = 60.0) -> None:
-        """Start the replica; one that exits 3 because no store endpoint answered within
-        its store timeout is started again, as the deploy's supervisor does (``restart:
-        unless-stopped``), at most :data:`START_TRIES` times in all (was: the run failed
-        at once: etcd, behind the proxy, took over 1 s to answer at load 25-45)."""
+        """Start the replica; one that exits 3 because its store did not answer within its
+        store timeout (connecting, or a call while joining) is started again, as the
+        deploy's supervisor does (``restart: unless-stopped``), at most
+        :data:`START_TRIES` times in all (was: the run failed at once: etcd, behind the
+        proxy, took over 1 s to answer at load 25-45)."""
         for _ in range(START_TRIES - 1):
             if self._start(timeout):
                 return
@@ -114,7 +117,7 @@ class Node:
         assert self._start(timeout), self.logs()
 
     def _start(self, timeout: float) -> bool:
-        """True once serving; False when it exited because no store endpoint answered."""
+        """True once serving; False when it exited because its store did not answer."""
         self._log = open(self.tmp / f"server-{self.starts}.log", "wb")  # noqa: SIM115 - closed by kill/stop
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvcoord.service.cli", "serve", "--config", str(self.config)],
@@ -124,7 +127,7 @@ class Node:
         deadline = time.monotonic() + timeout
         while "kvcoord serving gRPC on" not in self.log():
             if self.proc.poll() is not None:
-                if self.proc.returncode == 3 and "no cluster store endpoint answers" in self.log():
+                if self.proc.returncode == 3 and any(why in self.log() for why in STORE_LATE):
                     return False
                 raise RuntimeError(f"{self.replica} exited with {self.proc.returncode}: {self.log()}")
             assert time.monotonic() < deadline, self.log()

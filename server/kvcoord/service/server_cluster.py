@@ -15,7 +15,7 @@ from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
 
 from .access import AccessControl
 from .cluster import Cluster, ClusterError
-from .cluster_placement import ClusterPlacement, ReplicasServicer
+from .cluster_placement import ClusterPlacement, ReplicasServicer, store_failed
 from .config import ClusterSettings, ServerConfig
 from .idempotency import IdempotencyStore
 from .ownership import Member
@@ -201,8 +201,11 @@ async def join_cluster(
             handle, _ = registry.create(decl.name, decl.config)
             servicer.observer.pool_created(handle)
         await registry.recorder.durable()
-    except BaseException:
+    except BaseException as exc:
         await cluster.stop()
+        # a store that did not answer: "cannot start", exit 3 (was: a traceback, exit 1)
+        if isinstance(exc, Exception) and store_failed(exc):
+            raise ClusterError(f"the cluster store failed while this replica joined: {exc!r}") from exc
         raise
     logger.info(
         "replica %s serves %d pools of cluster %s (members: %s)",

@@ -13,6 +13,7 @@ from kvcoord.service.lease_clock import PAUSE_GAP_SECONDS, TICK_SECONDS, LeaseCl
 from kvcoord.service.registry import Limits, PoolRegistry
 from kvcoord.service.sessions import SessionTable
 from kvcoord.service.testing import ManualClock
+from support import wire_pool_config
 from test_reservation_leases_travel import reserve_prompt
 
 
@@ -174,3 +175,25 @@ def test_reservations_and_kept_answers_wait_out_a_pause_as_sessions_do() -> None
     _run(clock, raw, 10.0)
     assert service.expired_reservations() == [rid]
     assert store.lookup("s", "Step", "k", b"digest") is None  # the window ran out
+
+
+def test_a_grace_set_after_pauses_lasts_as_long_as_it_was_set_for() -> None:
+    """The restart grace is set on the registry's monotonic clock (a restore proven
+    while serving extends it: journal_behind.py): compared with the lease clock, every
+    pause since the start lengthened it (old code: after a 20 s pause, a 5 s grace
+    still refused an Attach GRACE_PERIOD 5.1 s later, for another 19.8 s)."""
+    raw = ManualClock()
+    clock = _ticking(raw)
+    registry = PoolRegistry(Limits(), SessionTable(clock, 30.0, 60.0), IdempotencyStore(clock, 10.0, 1 << 20),
+                            "i", clock=raw)  # fmt: skip
+    registry.create("p", wire_pool_config(16))
+    service = registry.pools["p"]
+    raw.advance(20.0)  # paused: 19.9 s counted
+    _run(clock, raw, 1.0)
+    service.grace_until = raw() + 5.0  # as journal_behind.py extends it
+    _run(clock, raw, 4.9)
+    with pytest.raises(ServiceError) as refused:
+        service.attach("sha256_cbor", 4, "0", "w", 0)
+    assert refused.value.reason is ErrorReason.GRACE_PERIOD
+    _run(clock, raw, 0.2)
+    assert service.attach("sha256_cbor", 4, "0", "w", 0).session_id

@@ -69,7 +69,7 @@ def check_admission(
             hits, mamba, zeroing) has any; RESOURCE_EXHAUSTED when the tenant already has
             ``max_sessions`` (0: the pool's max_sessions_per_tenant) live sessions.
     """
-    wait = grace_until - pool.sessions.clock()
+    wait = grace_until - pool.grace_clock()
     if wait > 0:
         raise ServiceError(
             Status.UNAVAILABLE,

@@ -10,10 +10,11 @@ before them, and workers that had renewed all along lost their sessions and ever
 So what the server ages by its clients' calls is counted on :class:`LeaseClock`: session
 leases (sessions.py), routers' reservations (pool_reservations.py), the answers kept for
 idempotency keys (idempotency.py; their window, like a lease, bounds how long a client's
-retry may take to arrive) and, compared with those, the grace after a restart (a pause
-lengthens it). Not on it: a replica's cluster lease (ownership.py, cluster_store.py),
-which etcd counts on its own clock whatever this process does; a paused replica must
-count the pause there, and stop serving pools another may own now.
+retry may take to arrive). Not on it: the grace after a restart, set and read on the
+registry's monotonic clock (``PoolService.grace_clock``: read on this one, every pause
+since the start would lengthen a grace set later); a replica's cluster lease (ownership.py,
+cluster_store.py), which etcd counts on its own clock whatever this process does; a paused
+replica must count the pause there, and stop serving pools another may own now.
 
 **What counts as a pause.** :func:`keep_ticking` reads the clock every
 :data:`TICK_SECONDS` (0.1 s) on the event loop, and every other read counts too. A gap

@@ -4,6 +4,7 @@ pool_service.py, which builds them."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 from kvcoord.engine import KVCacheConfig, KVCachePool
@@ -26,6 +27,8 @@ class PoolCore(Protocol):
     fence: Fence
     limits: Limits
     sessions: SessionTable
+    #: the clock of the restart grace (pool_service.py)
+    grace_clock: Callable[[], float]
     engine: KVCachePool
     events: EventJournal
     owners: dict[str, Session]

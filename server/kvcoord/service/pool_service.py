@@ -130,8 +130,12 @@ class PoolService:
         )
         #: request id -> owning session
         self.owners: dict[str, Session] = {}
-        #: no session may attach before this monotonic time (post-restart grace)
+        #: no session may attach before this monotonic time (post-restart grace), read
+        #: on ``grace_clock``: the registry's monotonic clock, not the session table's
+        #: lease clock, which leaves out the server's pauses (lease_clock.py) and would
+        #: lengthen a grace set after them by every pause since the start
         self.grace_until = 0.0
+        self.grace_clock = sessions.clock
         #: when this incarnation was created (seconds since the epoch; journaled, so a
         #: recovered pool keeps it): its counters' ``_created`` time
         self.created_at = 0.0

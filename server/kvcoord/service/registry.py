@@ -251,7 +251,7 @@ class PoolRegistry:
         wire = pb.PoolConfig()
         wire.CopyFrom(config_pb)
         service = PoolService(name, config, hash_settings, fence, self.limits, self.sessions, wire)
-        service.grace_until = self.grace_until
+        service.grace_until, service.grace_clock = self.grace_until, self.clock
         service.created_at = self.wall_clock() if created_at is None else created_at
         service.lineage = self.lineage
         service.positions = self.positions

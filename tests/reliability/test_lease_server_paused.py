@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,8 @@ import durable_server
 from durable_server import DurableServer, attach, held_first_group, leased_server, step_allocate
 from kvcoord.client import KVCoordClient, RemoteKVCacheManager
 from kvcoord.client.errors import SessionExpiredError
+from ports import free_port
+from prometheus_client.parser import text_string_to_metric_families
 from support import Req
 
 LEASE = 2.0
@@ -63,9 +66,23 @@ def _until(done: Callable[[], bool], what: str) -> None:
         time.sleep(0.05)
 
 
+def _pauses(metrics: str) -> tuple[float, float]:
+    """``kvcoord_server_pauses_total`` and ``kvcoord_server_paused_seconds_total`` from a
+    scrape of the server's /metrics (``metrics``: its address)."""
+    with urllib.request.urlopen(f"http://{metrics}/metrics", timeout=SLACK) as answer:
+        text = answer.read().decode()
+    samples = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    return samples["kvcoord_server_pauses_total"], samples["kvcoord_server_paused_seconds_total"]
+
+
 def test_sessions_renewed_all_along_outlive_a_server_paused_past_their_lease(tmp_path: Path) -> None:
     server = leased_server(tmp_path, LEASE, 64)
+    metrics = f"127.0.0.1:{free_port()}"
+    server.config.write_text(
+        server.config.read_text().replace('metrics_listen = ""', f'metrics_listen = "{metrics}"')
+    )
     server.start()
+    pauses_before, _ = _pauses(metrics)
     renewer: Renewer | None = None
     try:
         with (
@@ -98,6 +115,10 @@ def test_sessions_renewed_all_along_outlive_a_server_paused_past_their_lease(tmp
             got["b1"] = step_allocate(c2, plain, "b1", 8)
             assert held_first_group(c) == got
             assert "the server did not run for" in server.log()  # it saw the pause
+            # and counts it for dashboards: at least this pause, less its tick and the slack
+            # of the signals' delivery (loaded machines add gaps of their own)
+            pauses, paused = _pauses(metrics)
+            assert pauses >= pauses_before + 1 and paused >= PAUSE - 1.0, (pauses, paused)
             renewer.stop.set()
             renewer.join(SLACK)
             m.close()

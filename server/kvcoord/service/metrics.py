@@ -33,6 +33,7 @@ from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 from .intercept import WrappedHandlers, observed, status_name
+from .lease_clock import LeaseClock
 from .observers import NullObserver
 from .pool_service import PoolService
 from .tls import TLSFiles
@@ -173,6 +174,19 @@ class _PoolCollector(Collector):
         yield from (usage, free, total, live, sessions, lookups, queries, hits, group_hits, short, evictions,
                     refusals, allocated, freed, events, owned)  # fmt: skip
         yield from reservations.values()
+        clock = servicer.registry.sessions.clock if servicer is not None else None
+        if isinstance(clock, LeaseClock):  # (its counts are read, not the clock: no read is a gap)
+            yield CounterMetricFamily(
+                "kvcoord_server_pauses",
+                "Times the server did not run for over the lease clock's gap (0.5 s): a stopped process or VM, "
+                "or its event loop held; leases, reservations and kept answers were not counted down meanwhile.",
+                value=clock.pauses,
+            )
+            yield CounterMetricFamily(
+                "kvcoord_server_paused_seconds",
+                "Seconds of those pauses left out of leases, reservations and kept answers.",
+                value=clock.paused,
+            )
 
 
 def _reservation_families() -> dict[str, Any]:

@@ -82,9 +82,9 @@ def test_sessions_renewed_all_along_outlive_a_server_paused_past_their_lease(tmp
         server.config.read_text().replace('metrics_listen = ""', f'metrics_listen = "{metrics}"')
     )
     server.start()
-    pauses_before, _ = _pauses(metrics)
     renewer: Renewer | None = None
     try:
+        pauses_before, _ = _pauses(metrics)
         with (
             KVCoordClient(server.address, timeout=SLACK) as c,
             KVCoordClient(server.address, timeout=SLACK) as c2,

@@ -464,3 +464,44 @@ def test_an_unkeyed_mutation_bounced_past_max_hops_is_not_sent_again() -> None:
             with pytest.raises(NotOwnerError):
                 c.delete_pool("p")
         assert len(calls) == MAX_HOPS + 1
+
+
+def test_no_pool_is_claimed_with_a_lease_that_may_have_ended(
+    etcd: Etcd, request: pytest.FixtureRequest, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A replica cut off from the store past its lease reaches it again: a pass of the
+    watch (refresh, claim_local) can come before the keep-alive learns the lease ended.
+    claim_local then claims nothing (was: a claim sent with the dead lease, refused
+    "requested lease not found" and logged "pool ... could not be claimed", an ERROR the
+    CI log showed in test_store_two_terms_one_batch_processes); once registered again,
+    with a lease etcd knows, the same pass claims the pool."""
+    name = request.node.name[:40]
+
+    async def run() -> None:
+        cluster = await _joined(etcd, name)
+        try:
+            cluster.local_pools = lambda: ["mine"]
+            plain = cluster.client.transaction
+            tries: list[int] = []
+
+            async def counted(*a: Any, **kw: Any) -> Any:
+                tries.append(1)
+                return await plain(*a, **kw)
+
+            cluster.client.transaction = counted  # type: ignore[method-assign]
+            await cluster.client.revoke_lease(cluster.lease.id)  # ended at the store
+            cluster.view.valid_until = 0.0  # and, as the keep-alive counts, maybe here
+            await cluster.refresh()
+            await cluster.claim_local()
+            assert tries == [] and "could not be claimed" not in caplog.text
+            cluster.view.lease_lost()  # what the keep-alive's next renewal learns
+            await cluster.register()
+            await cluster.refresh()
+            await cluster.claim_local()
+            await cluster.refresh()
+            assert cluster.view.holds("mine")
+            assert "could not be claimed" not in caplog.text
+        finally:
+            await cluster.stop()
+
+    asyncio.run(run())

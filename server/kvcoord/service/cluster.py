@@ -126,6 +126,11 @@ class Cluster(ClusterStore):
         was lost is learned here, at the next pass)."""
         for pool, revision in list(self._unsettled.items()):
             await self._settle_failed_handover(pool, revision, None)
+        if not self.view.lease_valid:
+            # (its lease may have ended: a claim made with it is refused "requested lease
+            # not found" and logged as a pool not claimed; the keep-alive registers again
+            # and claims these then)
+            return
         local = [p for p in self.local_pools() if p not in self.adopting]
         for pool in self.view.should_claim(local):
             try:

@@ -35,6 +35,26 @@ async def _joined(etcd: Etcd, name: str, replica: str = "r0") -> Cluster:
     return cluster
 
 
+def _count_transactions(cluster: Cluster, fail_first: bool = False) -> list[int]:
+    """Pool "mine" held here; the store transactions ``cluster`` sends from now on,
+    counted in the list returned (``fail_first``: the first fails as a slow store's,
+    DEADLINE_EXCEEDED)."""
+    import aetcd.exceptions
+
+    cluster.local_pools = lambda: ["mine"]
+    plain = cluster.client.transaction
+    tries: list[int] = []
+
+    async def counted(*a: Any, **kw: Any) -> Any:
+        tries.append(1)
+        if fail_first and len(tries) == 1:
+            raise aetcd.exceptions.ConnectionTimeoutError("Deadline Exceeded")
+        return await plain(*a, **kw)
+
+    cluster.client.transaction = counted  # type: ignore[method-assign]
+    return tries
+
+
 def test_a_pool_created_while_the_view_is_read_is_not_an_orphan(
     etcd: Etcd, request: pytest.FixtureRequest
 ) -> None:
@@ -175,24 +195,12 @@ def test_a_claim_that_fails_at_start_is_made_at_the_next_pass(
     """claim_local (at start, then at every pass of the watch) claims the pools held
     here. A claim whose transaction fails (the store slow: DEADLINE_EXCEEDED) is logged
     and made at the next pass; it used to raise, and at start the replica exited 1."""
-    import aetcd.exceptions
-
     name = request.node.name[:40]
 
     async def run() -> None:
         cluster = await _joined(etcd, name)
         try:
-            cluster.local_pools = lambda: ["mine"]
-            plain = cluster.client.transaction
-            tries: list[int] = []
-
-            async def slow_store(*a: Any, **kw: Any) -> Any:
-                tries.append(1)
-                if len(tries) == 1:
-                    raise aetcd.exceptions.ConnectionTimeoutError("Deadline Exceeded")
-                return await plain(*a, **kw)
-
-            cluster.client.transaction = slow_store  # type: ignore[method-assign]
+            tries = _count_transactions(cluster, fail_first=True)
             await cluster.claim_local()  # the store times out: nothing claimed, nothing raised
             await cluster.refresh()
             assert not cluster.view.holds("mine")
@@ -480,15 +488,7 @@ def test_no_pool_is_claimed_with_a_lease_that_may_have_ended(
     async def run() -> None:
         cluster = await _joined(etcd, name)
         try:
-            cluster.local_pools = lambda: ["mine"]
-            plain = cluster.client.transaction
-            tries: list[int] = []
-
-            async def counted(*a: Any, **kw: Any) -> Any:
-                tries.append(1)
-                return await plain(*a, **kw)
-
-            cluster.client.transaction = counted  # type: ignore[method-assign]
+            tries = _count_transactions(cluster)
             await cluster.client.revoke_lease(cluster.lease.id)  # ended at the store
             cluster.view.valid_until = 0.0  # and, as the keep-alive counts, maybe here
             await cluster.refresh()

@@ -16,7 +16,7 @@ from kvcoord.v1 import allocator_pb2 as pb
 from kvcoord.wire import allocate_op, free_op
 
 from .errors import AbortedError
-from .items import Admission, Item, KVCacheBlockIds, Pending, ids, no_answer
+from .items import Admission, Item, KVCacheBlockIds, Pending, ids, no_answer, put_admission
 
 if TYPE_CHECKING:
     from .sender import StepSender
@@ -81,9 +81,7 @@ class Ops:
         a.return_table = return_table
         m = self.m
         # (vLLM 0.33's inputs, set around its adapter's allocate_slots; unset: not sent)
-        full, a.reserved_blocks, a.num_in_flight_tokens, a.watermark_blocks, skip_zeroing = m.admission
-        a.full_sequence_must_fit = full
-        a.skip_zeroing_group_ids.extend(skip_zeroing)
+        put_admission(a, m.admission)
 
         def decode(r: pb.OperationResult) -> KVCacheBlockIds | None:
             if r.allocate.stale_hit:

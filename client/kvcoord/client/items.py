@@ -29,6 +29,7 @@ __all__ = [
     "add_stats",
     "ids",
     "no_answer",
+    "put_admission",
     "to_send_again",
     "touched",
 ]
@@ -40,6 +41,14 @@ T = TypeVar("T")
 Admission = tuple[bool, int, int, int, tuple[int, ...]]
 #: a manager's ``admission`` outside vLLM 0.33's allocate_slots (and under 0.16 always)
 NO_ADMISSION: Admission = (False, 0, 0, 0, ())
+
+
+def put_admission(a: pb.AllocateOp, admission: Admission) -> None:
+    """Write vLLM 0.33's admission inputs into an allocation's operation (the defaults,
+    :data:`NO_ADMISSION`, are what an unset field means)."""
+    full, a.reserved_blocks, a.num_in_flight_tokens, a.watermark_blocks, skip_zeroing = admission
+    a.full_sequence_must_fit = full
+    a.skip_zeroing_group_ids.extend(skip_zeroing)
 
 
 class Pending(Generic[T]):

@@ -45,7 +45,7 @@ from kvcoord.wire import free_op
 
 from .client import KVCoordClient
 from .errors import InvalidArgumentError, KVCoordError
-from .items import KVCacheBlockIds
+from .items import KVCacheBlockIds, put_admission
 from .mirror import BlockIds, Mirror, MirrorUnavailableError, StaleCacheHitError
 from .predicting_losses import PredictedLosses, PredictionUnavailableError
 from .predicting_reports import PredictedReports
@@ -235,9 +235,7 @@ class PredictingKVCacheManager(PredictedRuns, PredictedLosses, PredictedReports)
         a.delay_cache_blocks = delay_cache_blocks
         a.num_encoder_tokens = num_encoder_tokens
         admission = self.admission
-        full, a.reserved_blocks, a.num_in_flight_tokens, a.watermark_blocks, skip_zeroing = admission
-        a.full_sequence_must_fit = full
-        a.skip_zeroing_group_ids.extend(skip_zeroing)
+        put_admission(a, admission)
         if hit is not None:
             a.num_new_computed_tokens = num_new_computed_tokens
             for group in hit:

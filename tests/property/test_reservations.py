@@ -4,6 +4,7 @@ all leaves a sound pool."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 from invariants import check_invariants
 from kvcoord.client.hashing import BlockHasher, none_hash
 from kvcoord.engine import FullAttentionSpec, KVCacheConfig, KVCachePool
+from kvcoord.engine.managers.full_attention import FullAttentionManager
 from strategies import PREFIXES, H, configs
 from test_lookup_and_lazy_blocks import drive
 
@@ -56,6 +58,7 @@ def test_a_reserved_hit_survives_an_allocation_storm(
         for tokens, hashes, reserved in live.values():
             assert pool.find_longest_cache_hit(hashes, len(tokens)).num_tokens >= reserved
         check_invariants(pool)
+        check_common_prefixes(pool)
 
     def probe(pool: KVCachePool, rid: str) -> None:
         check()
@@ -99,6 +102,65 @@ def test_a_reserved_hit_survives_an_allocation_storm(
     assert not pool.reservations.live
     check_invariants(pool)
     assert pool.num_free_blocks == KVCachePool(config).num_free_blocks
+
+
+def shared_by_every_holder(pool: KVCachePool, request_id: str) -> tuple[int, ...]:
+    """Per group, the request's leading blocks held by every request and by every
+    reservation (each one as a request holding its blocks would): vLLM's definition of
+    the common prefix, counted from the tables, not from reference counts."""
+    out = []
+    for g, m in enumerate(pool.managers):
+        others = [{b.block_id for b in blocks} for r, blocks in m.req_to_blocks.items() if r != request_id]
+        others += [set(r.held[g]) for r in pool.reservations.live.values()]
+        n = 0
+        for b in m.req_to_blocks[request_id]:
+            if not all(b.block_id in held for held in others):
+                break
+            n += 1
+        out.append(n)
+    return tuple(out)
+
+
+def check_common_prefixes(pool: KVCachePool) -> None:
+    """Every request holding blocks: ``get_num_common_prefix_blocks`` never counts a block
+    some holder lacks (vLLM's cascade attention would read it for every request), and
+    in a full-attention group of a caching pool (vLLM answers zeros without caching)
+    it counts each block every holder has."""
+    tables = pool.managers[0].req_to_blocks if pool.managers else {}
+    for rid in [r for r in tables if all(r in m.req_to_blocks for m in pool.managers)]:
+        told = pool.get_num_common_prefix_blocks(rid)
+        shared = shared_by_every_holder(pool, rid)
+        for g, m in enumerate(pool.managers):
+            assert told[g] <= shared[g], (rid, g, told, shared)
+            if (
+                isinstance(m, FullAttentionManager)
+                and pool.config.enable_caching
+                and not pool.rules.common_prefix_zeros
+            ):
+                assert told[g] == shared[g], (rid, g, told, shared)
+
+
+def test_a_reserved_hit_is_not_a_common_prefix_of_requests_that_lack_it() -> None:
+    """A request A holds a cached prompt's blocks, B holds others; a router reserves A's
+    prompt. The reservation holds A's blocks as an extra request would, so no block is
+    common to every holder: A's common prefix stays 0 (was 2: the reservation's
+    reference made each of A's blocks' count equal the number of requests, and vLLM's
+    cascade attention would have read A's prefix for B too)."""
+    pool = KVCachePool(dataclasses.replace(EAGLE_15, use_eagle=False, num_blocks=20))
+    a_tokens, b_tokens = list(range(100, 109)), list(range(200, 209))
+    a_hashes = BlockHasher("sha256_cbor", H, NONE).extend(a_tokens)
+    for rid, tokens in (("A", a_tokens), ("B", b_tokens)):
+        pool.add_request(rid, tokens, BlockHasher("sha256_cbor", H, NONE).extend(tokens))
+        assert pool.allocate_slots(rid, len(tokens), 0, pool.get_computed_blocks(rid)) is not None
+    assert pool.get_num_common_prefix_blocks("A") == (0,)
+    assert pool.reserve("res", a_hashes, len(a_tokens)).num_tokens == 8
+    assert pool.get_num_common_prefix_blocks("A") == (0,)
+    assert pool.get_num_common_prefix_blocks("B") == (0,)
+    check_common_prefixes(pool)
+    pool.free("B")  # A alone with the reservation: both hold A's first two blocks
+    assert pool.get_num_common_prefix_blocks("A") == shared_by_every_holder(pool, "A") == (2,)
+    assert pool.release_reservation("res")
+    assert pool.get_num_common_prefix_blocks("A") == (3,)  # A alone: every block of its own
 
 
 def test_a_shorter_prompt_sharing_the_hit_leaves_the_reservation_to_its_prompt() -> None:

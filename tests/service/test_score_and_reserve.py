@@ -11,7 +11,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from kvcoord.client import KVCoordClient
+from kvcoord.client import KVCoordClient, RemoteKVCacheManager
 from kvcoord.client.errors import FailedPreconditionError, InvalidArgumentError
 from kvcoord.client.hashing import BlockHasher, none_hash
 from kvcoord.engine import FullAttentionSpec, KVCacheConfig
@@ -22,7 +22,7 @@ from kvcoord.service.scoring import Reserve, score_pools
 from kvcoord.service.sessions import SessionTable
 from kvcoord.service.testing import InProcessServer, ManualClock
 from kvcoord.v1 import allocator_pb2 as pb
-from support import scrape_metrics
+from support import admit_prompt, hashed_req, pool_toml, scrape_metrics
 
 NONE = none_hash("sha256_cbor", "0")
 PROMPT = [7000 + i for i in range(41)]  # 10 full blocks of 4: the searchable hit is 40 tokens
@@ -383,3 +383,35 @@ def test_a_reserving_score_pools_retried_after_a_restart_from_a_snapshot_reserve
         assert live == 1
     finally:
         server.stop()
+
+
+def test_a_reserved_hit_is_not_told_as_a_prefix_common_to_every_request(
+    make_server: Callable[..., InProcessServer],
+) -> None:
+    """A worker runs two requests of different prompts (no block in common) while a
+    router reserves the first one's prompt. vLLM's scheduler asks
+    get_num_common_prefix_blocks every step and its cascade attention reads that
+    many leading blocks as every running request's: the server answers 0 for both
+    requests, as with an extra request holding the reserved blocks (was 2 for the
+    first: the reservation's reference made its blocks look held by every request).
+    Once the other request is freed, the two blocks the reservation holds with it are
+    common again."""
+    server = make_server(pool_toml("p", 32))  # one full-attention group
+    with KVCoordClient(server.address, timeout=10) as client:
+        m = RemoteKVCacheManager(client, "p", hash_seed="0", renew=False)
+        a = hashed_req("a", PROMPT[:12])
+        admit_prompt(m, a)
+        admit_prompt(m, hashed_req("b", [9000 + i for i in range(12)]))
+        assert m.get_num_common_prefix_blocks("a") == [0]
+        hashes = _hashes(PROMPT[:12])
+        prompt = pb.HashedPrompt(
+            hash_algo="sha256_cbor", hash_block_size=4, hash_seed="0", block_hashes=hashes
+        )
+        r = client.score_pools(12, [prompt], reserve_seconds=5.0)
+        assert (r.reservation.pool, r.reservation.hit_tokens) == ("p", 8)
+        assert m.get_num_common_prefix_blocks("a") == [0]
+        assert m.get_num_common_prefix_blocks("b") == [0]
+        m.free(hashed_req("b", []))
+        assert m.get_num_common_prefix_blocks("a") == [2]  # a and the reservation hold 2 blocks
+        assert client.check_pool("p").violations == []
+        m.close()

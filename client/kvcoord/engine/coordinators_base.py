@@ -260,8 +260,8 @@ class KVCacheCoordinator:
         for manager in self.managers:
             manager.remove_skipped_blocks(request_id, total_computed_tokens)
 
-    def get_num_common_prefix_blocks(self, request_id: str) -> list[int]:
-        return [m.get_num_common_prefix_blocks(request_id) for m in self.managers]
+    def get_num_common_prefix_blocks(self, request_id: str, others: int = 0) -> list[int]:
+        return [m.get_num_common_prefix_blocks(request_id, others) for m in self.managers]
 
     def get_blocks(self, request_id: str) -> BlockLists:
         return [m.req_to_blocks.get(request_id) or [] for m in self.managers]
@@ -288,5 +288,5 @@ class KVCacheCoordinatorNoPrefixCache(KVCacheCoordinator):
     ) -> tuple[IdLists, int]:
         return [[] for _ in self.managers], 0
 
-    def get_num_common_prefix_blocks(self, request_id: str) -> list[int]:
+    def get_num_common_prefix_blocks(self, request_id: str, others: int = 0) -> list[int]:
         return [0] * len(self.managers)

@@ -64,17 +64,21 @@ class PoolInspection(PoolRequests):
         return tuple(tuple(b.block_id for b in lst) for lst in self.coordinator.get_blocks(request_id))
 
     def get_num_common_prefix_blocks(self, request_id: str) -> tuple[int, ...]:
-        """Per group, the leading blocks of this request shared by every holder."""
+        """Per group, the leading blocks of this request shared by every holder: every
+        request, and every router's reservation, counted as a request holding its
+        blocks (vLLM's count of requests alone would call a block of this request and
+        a reservation common to a request that lacks it)."""
         self._get(request_id)
         if self.rules.common_prefix_zeros:
             return (0,) * len(self.managers)
-        return tuple(self.coordinator.get_num_common_prefix_blocks(request_id))
+        return tuple(self.coordinator.get_num_common_prefix_blocks(request_id, len(self.reservations.live)))
 
     def lone_common_prefix(self) -> Callable[[str], int] | None:
         """In a pool of one group whose coordinator reads its manager's count, that
         manager's ``get_num_common_prefix_blocks``: :meth:`get_num_common_prefix_blocks`'s
         one value for a request the pool holds (unchecked), in one call, for a caller
-        reading it every scheduler step; ``None`` for any other pool."""
+        reading it every scheduler step, while the pool holds no reservation (a mirror:
+        an exclusive session's pool is refused them); ``None`` for any other pool."""
         if (
             self.rules.common_prefix_zeros
             or len(self.managers) != 1

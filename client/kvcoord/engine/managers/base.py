@@ -242,8 +242,9 @@ class SingleTypeKVCacheManager:
         k = min(num_skipped_tokens // self.block_size, len(blocks))
         return k > 0 and blocks[k - 1] is not self.null_block
 
-    def get_num_common_prefix_blocks(self, request_id: str) -> int:
-        """Leading blocks shared by every request of this group (only full attention)."""
+    def get_num_common_prefix_blocks(self, request_id: str, others: int = 0) -> int:
+        """Leading blocks shared by every request of this group and the ``others``
+        holders besides them (reservations; only full attention)."""
         return 0
 
     # -- validation helpers for the facade (no state change) ----------------------

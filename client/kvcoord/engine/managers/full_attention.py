@@ -31,11 +31,14 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         if spec.sink_len:
             self.sink_blocks = block_pool.free_block_queue.popleft_n(spec.sink_len // spec.block_size)
 
-    def get_num_common_prefix_blocks(self, request_id: str) -> int:
+    def get_num_common_prefix_blocks(self, request_id: str, others: int = 0) -> int:
         # vLLM reads req_to_blocks through a defaultdict here, which registers an empty
         # list for a request without one; that entry then counts as a holder.
         blocks = self.req_to_blocks.setdefault(request_id, [])
-        holders = len(self.req_to_blocks)
+        # (``others``: holders besides the requests, routers' reservations: each holds
+        # its blocks once, as a request would; left out, a block of one request and a
+        # reservation counted as common to two requests)
+        holders = len(self.req_to_blocks) + others
         n = 0
         for block in blocks:
             if block.ref_cnt != holders:

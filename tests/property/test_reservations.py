@@ -209,3 +209,52 @@ def test_a_shorter_prompt_sharing_the_hit_leaves_the_reservation_to_its_prompt()
     assert (counters.adopted, counters.short_hits, counters.promised_tokens) == (1, 0, promised.num_tokens)
     assert not pool.reservations.live
     check_invariants(pool)
+
+
+def test_an_abandoned_request_leaves_no_hit_on_blocks_only_a_reservation_shares() -> None:
+    """A request's allocation cached its prompt's blocks before its worker computed them;
+    a router reserved that prompt's hit; the worker's session ended holding the request
+    (free_abandoned: its KV may never have been written). The reservation is no reader
+    of those blocks: their entries are dropped as if only the request held them, so the
+    prompt no longer hits them and the request adopting the reservation computes them
+    (was: the reservation kept the 8-token hit alive, promised to the next request of
+    the prompt, over KV nobody wrote). With ``drop_reserved=False`` (a journal written
+    before the rule replays so) the entries stay, as that server kept them."""
+    config = dataclasses.replace(EAGLE_15, use_eagle=False, num_blocks=20)
+    tokens = list(range(100, 109))
+    hashes = BlockHasher("sha256_cbor", H, NONE).extend(tokens)
+    for drop_reserved, left in ((True, 0), (False, 8)):
+        pool = KVCachePool(config)
+        pool.add_request("A", tokens, hashes)
+        assert pool.allocate_slots("A", len(tokens), 0, pool.get_computed_blocks("A")) is not None
+        assert pool.reserve("res", hashes, len(tokens)).num_tokens == 8
+        free = pool.num_free_blocks
+        pool.free_abandoned("A", drop_reserved)
+        assert pool.find_longest_cache_hit(hashes, len(tokens)).num_tokens == left
+        assert pool.num_free_blocks == free + 1  # (the reservation still holds the hit's 2 blocks)
+        check_invariants(pool)
+        pool.add_request("A2", tokens, hashes)
+        hit = pool.get_computed_blocks("A2")
+        assert hit.num_tokens == left
+        assert pool.allocate_slots("A2", len(tokens) - hit.num_tokens, hit.num_tokens, hit) is not None
+        assert pool.adopt_reservation("A2", hit.num_tokens) is not None
+        assert pool.reservations.counters.short_hits == (1 if drop_reserved else 0)
+        check_invariants(pool)
+
+
+def test_an_abandoned_request_keeps_the_entries_another_request_reads() -> None:
+    """The rule above stops at readers: a block the abandoned request and a live request
+    hold (with or without a reservation) keeps its entry, as before (that request hit
+    it and reads it)."""
+    config = dataclasses.replace(EAGLE_15, use_eagle=False, num_blocks=20)
+    tokens = list(range(100, 109))
+    hashes = BlockHasher("sha256_cbor", H, NONE).extend(tokens)
+    pool = KVCachePool(config)
+    for rid in ("A", "B"):
+        pool.add_request(rid, tokens, hashes)
+        hit = pool.get_computed_blocks(rid)
+        assert pool.allocate_slots(rid, len(tokens) - hit.num_tokens, hit.num_tokens, hit) is not None
+    assert pool.reserve("res", hashes, len(tokens)).num_tokens == 8
+    pool.free_abandoned("A")
+    assert pool.find_longest_cache_hit(hashes, len(tokens)).num_tokens == 8  # B's
+    check_invariants(pool)

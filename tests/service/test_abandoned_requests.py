@@ -124,3 +124,48 @@ def test_a_restart_on_the_journal_replays_the_abandoning_end(
     with KVCoordClient(server.address, timeout=10) as c:
         assert list(c.inspect_pool("p", include_cached_blocks=True).cached_block_ids) == cached
         assert _hit(c) == 16
+
+
+@pytest.mark.parametrize("how", ["detach", "expiry"])
+def test_a_reservation_keeps_no_hit_on_blocks_an_ending_session_never_wrote(
+    make_server: Callable[..., InProcessServer], clock: ManualClock, tmp_path: Path, how: str
+) -> None:
+    """Worker A allocated its prompt (10 full blocks cached as it was to compute them),
+    a router reserved that prompt's hit (40 tokens), and A's session ends holding the
+    request. The reservation reads nothing: the 10 blocks lose their entries as if A
+    alone held them (told removed), the prompt hits nothing, and the request of the
+    prompt that then arrives computes them, adopting the reservation with a short hit
+    (was: the reservation kept all 10 cached, and that request was handed 40 tokens of
+    KV A may never have written). A restart on the journal replays the same end: the
+    same cache and the same tables."""
+    data = str(tmp_path / "data")
+    server = make_server(POOL, data_dir=data)
+    with KVCoordClient(server.address, timeout=10) as c:
+        a = c.attach("p", "sha256_cbor", 4, "0", lease_seconds=20)
+        got = c.allocate("p", allocate("a", PROMPT, len(PROMPT)).allocate, a.session_id, a.fence)
+        assert not got.result.refused
+        prompt = pb.HashedPrompt(
+            hash_algo="sha256_cbor", hash_block_size=4, hash_seed="0", block_hashes=HASHES
+        )
+        assert c.score_pools(len(PROMPT), [prompt], reserve_seconds=30.0).reservation.hit_tokens == 40
+        _end(how, c, server, clock, a)
+        assert _hit(c) == 0
+        assert sorted(_removed(c)) == sorted(HASHES[:10])
+        assert list(c.check_pool("p").violations) == []
+        b = c.attach("p", "sha256_cbor", 4, "0", lease_seconds=1000)
+        op = allocate("b", PROMPT, len(PROMPT), lookup=True).allocate
+        assert c.allocate("p", op, b.session_id, b.fence).result.hit.num_tokens == 0
+        r = c.get_stats("p").reservations
+        assert (r.live, r.adopted, r.short_hits) == (0, 1, 1)
+        state = _cache_and_tables(c)
+    server.stop(snapshot=False)  # the restart replays the journal's records
+    server = make_server(POOL, data_dir=data)
+    with KVCoordClient(server.address, timeout=10) as c:
+        assert _cache_and_tables(c) == state
+
+
+def _cache_and_tables(c: KVCoordClient) -> tuple[list[int], dict[str, list[int]], int]:
+    """The pool's cached blocks, each request's group-0 table and the free count."""
+    inspected = c.inspect_pool("p", include_cached_blocks=True, all_requests=True)
+    tables = {r.request_id: list(r.groups[0].block_ids) for r in inspected.requests}
+    return list(inspected.cached_block_ids), tables, c.get_stats("p").num_free_blocks

@@ -559,17 +559,13 @@ def test_a_record_naming_a_session_that_had_ended_stops_the_replay_naming_it(
         Node(loop, tmp_path)
 
 
-@pytest.mark.parametrize("abandoned", [False, True])
-def test_a_session_end_replays_by_the_rule_its_record_was_written_under(
-    loop: asyncio.AbstractEventLoop, tmp_path: Path, abandoned: bool
-) -> None:
-    """A session's ``expire`` (or ``detach``) record ends with ABANDONED since its
-    requests are freed as abandoned (the cache entries of blocks only they held
-    dropped). A journal written before that rule has records without it: they replay
-    as the server that wrote them freed (the hashes stay cached: a later journaled
-    call's hit named them, and the replayed state must be the one its worker was
-    told). Both replay to the state their writer had."""
-    from kvcoord.service.durability import ABANDONED
+def _ended_holding(
+    loop: asyncio.AbstractEventLoop, tmp_path: Path, rule: int | None, reserve: bool
+) -> tuple[Node, list[bytes], str]:
+    """A session's request caches 3 full blocks (a router reserves their 12-token hit
+    when ``reserve``), the server crashes and its journal gets the session's ``expire``
+    record, its last field ``rule`` (None: none, as before the rule); the node restarted
+    on it, the prompt's hashes and the reservation's id ("" without)."""
     from kvcoord.service.journal_cbor import record_bytes
 
     a = Node(loop, tmp_path)
@@ -582,18 +578,60 @@ def test_a_session_end_replays_by_the_rule_its_record_was_written_under(
         request_id="r0", new_request=True, append_token_ids=tokens, append_block_hashes=hashes
     )
     client.step("p", [pb.Operation(allocate=allocate_op(sync, 13))], att.session_id, att.fence)
+    reservation = ""
+    if reserve:
+        prompt = pb.HashedPrompt(
+            hash_algo="sha256_cbor", hash_block_size=4, hash_seed="0", block_hashes=hashes
+        )
+        reserved = a.call("ScorePools", rq.score_pools(13, [prompt], reserve_seconds=5.0))
+        assert reserved.reservation.hit_tokens == 12
+        reservation = reserved.reservation.reservation_id
     a.settle()
     a.crash()
     store = a.recovery.recorder.journal.store
     last = list(store.records(0))[-1][0]
-    record = ("expire", time.time(), att.session_id) + ((ABANDONED,) if abandoned else ())
+    record = ("expire", time.time(), att.session_id) + (() if rule is None else (rule,))
     store.write([(last + 1, record_bytes(record))])
     store.write_progress(last + 1)
     store.close()
     b = Node(loop, tmp_path)
+    assert b.registry.pools["p"].num_requests == 0 and not b.registry.sessions.sessions
+    return b, hashes, reservation
+
+
+@pytest.mark.parametrize("abandoned", [False, True])
+def test_a_session_end_replays_by_the_rule_its_record_was_written_under(
+    loop: asyncio.AbstractEventLoop, tmp_path: Path, abandoned: bool
+) -> None:
+    """A session's ``expire`` (or ``detach``) record ends with ABANDONED since its
+    requests are freed as abandoned (the cache entries of blocks only they held
+    dropped). A journal written before that rule has records without it: they replay
+    as the server that wrote them freed (the hashes stay cached: a later journaled
+    call's hit named them, and the replayed state must be the one its worker was
+    told). Both replay to the state their writer had."""
+    from kvcoord.service.durability import ABANDONED
+
+    b, hashes, _ = _ended_holding(loop, tmp_path, ABANDONED if abandoned else None, False)
+    assert b.registry.pools["p"].find_longest_cache_hit(hashes, 13).num_tokens == (0 if abandoned else 12)
+
+
+@pytest.mark.parametrize("rule,hit", [(None, 12), (1, 12), (2, 0)])
+def test_a_session_end_beside_a_reservation_replays_by_its_record_s_rule(
+    loop: asyncio.AbstractEventLoop, tmp_path: Path, rule: int | None, hit: int
+) -> None:
+    """A router reserved the hit of a request's 3 cached blocks, then the session ended
+    holding the request. Its record's last field names the rule it was freed by: none
+    (plainly) and durability.ABANDONED (abandoned, the reservation keeping the entries
+    of blocks it holds) replay as the servers that wrote them kept those entries (a
+    later journaled call's hit may name them); ABANDONED_PAST_RESERVATIONS, what a
+    server writes now, replays without them, as it freed."""
+    from kvcoord.service.durability import ABANDONED, ABANDONED_PAST_RESERVATIONS
+
+    assert (ABANDONED, ABANDONED_PAST_RESERVATIONS) == (1, 2)
+    b, hashes, reservation = _ended_holding(loop, tmp_path, rule, True)
     service = b.registry.pools["p"]
-    assert service.num_requests == 0 and not b.registry.sessions.sessions
-    assert service.find_longest_cache_hit(hashes, 13).num_tokens == (0 if abandoned else 12)
+    assert service.expired_reservations() == [reservation]  # (no lease: released next)
+    assert service.find_longest_cache_hit(hashes, 13).num_tokens == hit
 
 
 def test_an_exclusive_attach_that_fails_leaves_no_session_behind_a_snapshot(

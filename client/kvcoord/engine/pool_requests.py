@@ -345,7 +345,7 @@ class PoolRequests(PoolParts):
         self._get(request_id)
         self._drop_uncomputed(request_id, uncomputed_from)
 
-    def free_abandoned(self, request_id: str) -> None:
+    def free_abandoned(self, request_id: str, drop_reserved: bool = True) -> None:
         """Free a request its worker abandoned (its session ended holding it: a detach,
         a lease that ran out, a restored server's void sessions), whose KV may never
         have been written where the pool's cache says: its last allocation cached the
@@ -358,22 +358,27 @@ class PoolRequests(PoolParts):
         as computed (a hit on a block another engine has yet to compute is the race the
         engines sharing a pool must rule out themselves).
         Blocks two requests of one ending session share are dropped with the last one
-        freed. The price is cache (a continuation of the abandoned requests computes
-        their blocks again), never a block: block ids and free counts are as
-        :meth:`free` leaves them.
+        freed. A router's reservation reads nothing: a block only reservations hold
+        besides this request is dropped too (``drop_reserved``; else it stayed cached,
+        and the request adopting the reservation was handed KV nobody wrote; False
+        replays a journal written before that rule). The price is cache (a
+        continuation of the abandoned requests computes their blocks again, a
+        reservation's request gets a shorter hit), never a block: block ids and free
+        counts are as :meth:`free` leaves them.
 
         Raises:
             RequestNotFoundError: unknown request.
         """
         self._get(request_id)
         null = self.block_pool.null_block
+        reserved = self.reservations.held_blocks() if drop_reserved and self.reservations.live else {}
         # (no live request holds a block evicted here once it is freed: the invariants
         # stay whole, unlike after evict_blocks)
         self.block_pool.evict_blocks([
             b.block_id
             for m in self.managers
             for b in m.req_to_blocks.get(request_id) or ()
-            if b is not null and b.ref_cnt == 1
+            if b is not null and b.ref_cnt - reserved.get(b.block_id, 0) == 1
         ])  # fmt: skip
         self.free(request_id)
 

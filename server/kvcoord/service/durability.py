@@ -93,6 +93,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = [
     "ABANDONED",
+    "ABANDONED_PAST_RESERVATIONS",
     "JournalRecorder",
     "Recorder",
     "answer_digest",
@@ -108,6 +109,10 @@ SNAPSHOT_FILE_GLOB = "snapshot-*.part*"
 #: a "detach" / "expire" record's last field: the session's requests were freed as
 #: abandoned (PoolService.ending_session); a journal written before that rule lacks it
 ABANDONED = 1
+#: that field since routers' reservations keep no entry of an abandoned request's
+#: blocks (engine ``free_abandoned``'s ``drop_reserved``): a record with
+#: :data:`ABANDONED` replays as its server freed, reservations keeping them
+ABANDONED_PAST_RESERVATIONS = 2
 
 
 def answer_digest(answer: bytes) -> bytes:
@@ -423,10 +428,10 @@ class JournalRecorder(Recorder):
         )  # fmt: skip
 
     def detached(self, service: PoolService, session_id: str) -> None:
-        self._append("detach", session_id, ABANDONED, service=service)
+        self._append("detach", session_id, ABANDONED_PAST_RESERVATIONS, service=service)
 
     def session_expired(self, session_id: str, pool: str = "", service: PoolService | None = None) -> None:
-        self._append("expire", session_id, ABANDONED, service=service)
+        self._append("expire", session_id, ABANDONED_PAST_RESERVATIONS, service=service)
 
     def called(
         self, service: PoolService, rpc: str, request: Message, key: str, digest: bytes, answer: bytes | None,

@@ -23,7 +23,8 @@ made for a failed operation is undone)."""
 
 from __future__ import annotations
 
-from collections.abc import Generator, Iterator, Sequence
+import functools
+from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import cbor2
@@ -36,6 +37,7 @@ from kvcoord.wire.rules import rules_fingerprint
 from .attach_reset import reset_for_new_engine
 from .attach_rules import check_admission, check_handshake
 from .budget import event_buffer_bytes
+from .durability import ABANDONED, ABANDONED_PAST_RESERVATIONS
 from .errors import ErrorReason, ServiceError, Status
 from .events import EventJournal
 from .fences import Fence
@@ -306,16 +308,21 @@ class PoolService:
         self.sessions.renew(s)
         return s
 
-    def ending_session(self, s: Session, every: int, abandon: bool = True) -> Generator[None, None, int]:
+    def ending_session(
+        self, s: Session, every: int, abandon: int = ABANDONED_PAST_RESERVATIONS
+    ) -> Generator[None, None, int]:
         """Close the session (detach, lease expiry, a restored server's void sessions),
-        then free every request it owns by the engine's ``free_abandoned`` (``abandon``
-        False: by ``free``, to replay a journal older than that rule), yielding after
-        every ``every`` (0: never; the pool held between slices: pool_locks.py); returns
-        how many. With fine-grained hits (one session at a time: :meth:`attach`) the
+        then free every request it owns by the engine's ``free_abandoned`` (``abandon``:
+        the rule of a journal's record, durability.py; 0: by ``free``, and
+        :data:`ABANDONED`: reservations keeping entries, to replay journals older than
+        those rules), yielding after every ``every`` (0: never; the pool held between
+        slices: pool_locks.py); returns how many. With fine-grained hits (one session at a time: :meth:`attach`) the
         copy-on-write pairs it did not release end with it."""
         self.sessions.close(s.session_id)
         owned = list(s.owned)
-        free = self.engine.free_abandoned if abandon else self.engine.free
+        free: Callable[[str], None] = self.engine.free
+        if abandon:
+            free = functools.partial(self.engine.free_abandoned, drop_reserved=abandon != ABANDONED)
         for k, rid in enumerate(owned, 1):
             free(rid)
             del self.owners[rid]

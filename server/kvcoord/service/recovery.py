@@ -33,7 +33,7 @@ import cbor2
 from kvcoord.v1 import allocator_pb2 as pb
 
 from .attach_reset import reset_for_new_engine
-from .durability import ABANDONED, SNAPSHOT_FILE_GLOB, JournalRecorder, decode_record
+from .durability import SNAPSHOT_FILE_GLOB, JournalRecorder, decode_record
 from .journal import JournalError, JournalStore
 from .journal_writer import Journal
 from .mutating_calls import MUTATIONS
@@ -148,8 +148,9 @@ class Replayer:
                     "before it: the journal does not match the server that wrote it"
                 )
             self.touched[ending.pool] = seq
-            # freed as abandoned when the record says so (older journals: freed plainly)
-            registry.end_session(ending, abandon=len(record) > 3 and record[3] == ABANDONED)
+            # freed as abandoned by the rule the record names (older journals: freed
+            # plainly; then with reservations keeping entries: durability.ABANDONED)
+            registry.end_session(ending, abandon=int(record[3]) if len(record) > 3 else 0)
         elif kind == "call":
             self._call(record, when)
         elif kind == "reset":

@@ -20,7 +20,7 @@ from kvcoord.wire import MAX_MODEL_LEN_UNLIMITED, config_from_pb
 
 from .bounds import MAX_NAME_LENGTH
 from .budget import MemoryBudget
-from .durability import Recorder
+from .durability import ABANDONED_PAST_RESERVATIONS, Recorder
 from .errors import ErrorReason, ServiceError, Status
 from .idempotency import IdempotencyStore
 from .logs import ids
@@ -395,7 +395,9 @@ class PoolRegistry:
         service = self.pool_of_session(session_id, pool, fence)
         return service, service.session(session_id, fence)
 
-    def end_session(self, s: Session, service: PoolService | None = None, abandon: bool = True) -> int:
+    def end_session(
+        self, s: Session, service: PoolService | None = None, abandon: int = ABANDONED_PAST_RESERVATIONS
+    ) -> int:
         """End a session (Detach, an exclusive Attach whose answer cannot be sent, their
         replay): its kept answers forgotten, its requests freed in ``service`` (by
         default the pool of its name held here; none: the session is only closed) as
@@ -404,7 +406,7 @@ class PoolRegistry:
         return drain(self.ending(s, service, abandon))
 
     def ending(
-        self, s: Session, service: PoolService | None = None, abandon: bool = True
+        self, s: Session, service: PoolService | None = None, abandon: int = ABANDONED_PAST_RESERVATIONS
     ) -> Generator[None, None, int]:
         """:meth:`end_session`, yielding every END_SLICE_REQUESTS requests freed (the
         caller holds the pool between slices: pool_locks.py); the session is closed and

@@ -23,6 +23,8 @@ from kvcoord.service.sessions import SessionTable
 from kvcoord.service.testing import InProcessServer, ManualClock
 from kvcoord.v1 import allocator_pb2 as pb
 from support import admit_prompt, hashed_req, pool_toml, scrape_metrics
+from tenancy import ROOT_TOKEN, TENANTS, TOKENS, Raw
+from tenancy import pool_toml as tenant_pool_toml
 
 NONE = none_hash("sha256_cbor", "0")
 PROMPT = [7000 + i for i in range(41)]  # 10 full blocks of 4: the searchable hit is 40 tokens
@@ -415,3 +417,53 @@ def test_a_reserved_hit_is_not_told_as_a_prefix_common_to_every_request(
         assert m.get_num_common_prefix_blocks("a") == [2]  # a and the reservation hold 2 blocks
         assert client.check_pool("p").violations == []
         m.close()
+
+
+def test_a_shared_cache_tenant_adopts_another_tenants_reservation(
+    make_server: Callable[..., InProcessServer],
+) -> None:
+    """A reservation is adopted by the first request of the scored prompt in the cache
+    namespace it was made in, whoever's: in a pool whose cache two tenants share, a
+    router tenant ("admin" here: use and observe) reserves the hit and a worker tenant's
+    ("user") request of that prompt adopts it (the deploy's router layout; the docs
+    said "same tenant", which would leave it held until its time ran out)."""
+    server = make_server(TENANTS + tenant_pool_toml("a-pool", 'shared_cache_tenants = ["user", "admin"]'))
+    raw = Raw(server.address)
+    try:
+        user = raw.ok(
+            "Attach",
+            pb.AttachRequest(pool="a-pool", hash_algo="sha256_cbor", hash_block_size=4, hash_seed="0"),
+            TOKENS["user"],
+        )
+
+        def admit(rid: str) -> pb.AllocateResult:
+            sync = pb.RequestSync(
+                request_id=rid, append_token_ids=PROMPT, append_block_hashes=_hashes(PROMPT), new_request=True
+            )
+            request = pb.AllocateRequest(
+                pool="a-pool",
+                session_id=user.session_id,
+                fence=user.fence,
+                op=pb.AllocateOp(request=sync, num_new_tokens=len(PROMPT), lookup=True),
+            )
+            result = raw.ok("Allocate", request, TOKENS["user"]).result
+            assert not result.refused
+            free = pb.FreeRequest(
+                pool="a-pool", session_id=user.session_id, fence=user.fence, request_ids=[rid]
+            )
+            raw.ok("Free", free, TOKENS["user"])
+            return result
+
+        def reservations() -> tuple[int, int, int, int]:
+            s = raw.ok("GetStats", pb.GetStatsRequest(pool="a-pool"), ROOT_TOKEN).reservations
+            return (s.live, s.adopted, s.promised_tokens, s.got_tokens)
+
+        admit("warm")  # the prompt cached in the shared namespace
+        score = pb.ScorePoolsRequest(num_tokens=len(PROMPT), prompts=_prompt(), reserve_seconds=5.0)
+        made = raw.ok("ScorePools", score, TOKENS["admin"]).reservation
+        assert (made.pool, made.hit_tokens) == ("a-pool", 40)
+        assert reservations() == (1, 0, 0, 0)
+        assert admit("arrival").hit.num_tokens == 40
+        assert reservations() == (0, 1, 40, 40)
+    finally:
+        raw.close()

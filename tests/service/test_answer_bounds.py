@@ -10,6 +10,7 @@ import grpc
 import pytest
 from helpers import allocate, attach
 from kvcoord.client import KVCoordClient
+from kvcoord.client.hashing import block_hasher, none_hash
 from kvcoord.engine import AllBlocksCleared, BlockRemoved, BlockStored
 from kvcoord.service.events import event_wire_bytes
 from kvcoord.service.testing import InProcessServer
@@ -114,7 +115,8 @@ def test_an_exclusive_attach_whose_state_cannot_fit_leaves_no_session(small: InP
 
 def test_the_wire_estimate_of_an_event_is_an_upper_bound() -> None:
     """event_wire_bytes (what answers are cut by) is at least what an event takes as
-    a repeated field of an answer, for every kind of event and the largest values."""
+    a repeated field of an answer, for every kind of event and the largest values,
+    vllm-0.33's fields included."""
     h = b"h" * 32
     events = [
         BlockStored((h,) * 16, h, tuple(range(2**32 - 1024, 2**32)), 16, 2**32 - 1, "lora-ä" * 10),
@@ -123,6 +125,26 @@ def test_the_wire_estimate_of_an_event_is_an_upper_bound() -> None:
         BlockRemoved((h,) * 100),
         BlockRemoved((h,), "CPU"),
         AllBlocksCleared(),
+        # vllm-0.33's fields: each block's extra keys (a LoRA name, multimodal keys, a
+        # cache salt, a prompt-embeds digest), the group, the spec, look-ahead tokens
+        # (old estimate: without them, 795 bytes for the first one's 983)
+        BlockStored(
+            (h,) * 4,
+            h,
+            (2**32 - 1,) * 64,
+            16,
+            2**32 - 1,
+            "lora-ä" * 10,
+            "GPU",
+            b"",
+            (("lora-ä" * 10, ("ä" * 64, -(2**63)), "salt-ä"), ("lora", h), None, ()),
+            2**32 - 1,
+            "sliding_window_ä",
+            2**32 - 1,
+            ((2**32 - 1,) * 3,) * 4,
+        ),
+        BlockStored((h,), None, (0,) * 16, 16, None, None, "GPU", b"", (None,), 0, "full_attention"),
+        BlockRemoved((h,) * 3, "GPU", b"", 2**32 - 1),
     ]
     for e in events:
         answer = pb.StepResponse()
@@ -331,3 +353,55 @@ def test_a_kept_answer_larger_than_a_lowered_limit_says_it_was_applied(
     err = _refused(again.address, request, "unary")
     assert err.code() == grpc.StatusCode.ABORTED, (err.code(), err.details())
     assert ("kvcoord-reason", "ANSWER_EVICTED") in (err.trailing_metadata() or ())
+
+
+#: a vllm-0.33 pool of 16-token blocks with events: its BlockStored events carry 0.33's
+#: fields (each block's extra keys, the group, the spec's kind)
+POOL_033 = POOL.replace('name = "big"', 'name = "big33"\nprofile = "vllm-0.33"')
+#: a LoRA adapter name at the longest a request may give (every block's extra keys name it)
+LONG_LORA = "adapter-" + "x" * 248
+
+
+def test_a_033_pools_events_with_extra_keys_arrive_over_bounded_answers(
+    make_server: Callable[..., InProcessServer], tmp_path: Path
+) -> None:
+    """A vllm-0.33 pool publishes each block's extra keys in BlockStored (a LoRA
+    request's: the adapter's name on every block): an idle worker's Step with
+    include_state is still answered below max_message_bytes, over several answers,
+    every event once (old code: the answer was cut by an estimate that left out 0.33's
+    fields, came out larger than max_message_bytes, and the Step, applied, was told
+    ABORTED ANSWER_EVICTED: its worker was to treat its requests as lost)."""
+    server = make_server(POOL_033, max_message_bytes=LIMIT, data_dir=str(tmp_path / "data"))
+    with KVCoordClient(server.address, timeout=10) as client:
+        idle = client.attach("big33", "sha256_cbor", 16, "0", profile="vllm-0.33")
+        busy = client.attach("big33", "sha256_cbor", 16, "0", profile="vllm-0.33")
+        none = none_hash("sha256_cbor", "0", profile="vllm-0.33")
+        for i in range(12):
+            prompt = [100_000 + i * 800 + t for t in range(800)]
+            hasher = block_hasher("vllm-0.33", "sha256_cbor", 16, none, lora_name=LONG_LORA, lora_path="/a")
+            sync = pb.RequestSync(
+                request_id=f"w{i}",
+                append_token_ids=prompt,
+                append_block_hashes=hasher.extend(prompt),
+                new_request=True,
+                lora=pb.LoRA(adapter_id=1, name=LONG_LORA),
+            )
+            ops = [
+                pb.Operation(allocate=pb.AllocateOp(request=sync, num_new_tokens=len(prompt))),
+                pb.Operation(free=pb.FreeOp(request_id=f"w{i}")),
+            ]
+            response = client.step("big33", ops, busy.session_id, busy.fence)
+            assert [r.status_code for r in response.results] == [0, 0]
+        journal = server.running.servicer.registry.pools["big33"].events  # type: ignore[union-attr]
+        want = [event_to_pb(e) for _, e in server.call(journal.kept)]
+        assert sum(e.ByteSize() for e in want) > 2 * LIMIT
+        assert all(len(e.block_stored.extra_keys) == len(e.block_stored.block_hashes) for e in want)
+
+        got: list[pb.KVEvent] = []
+        for _ in range(100):
+            response = client.step("big33", [], idle.session_id, idle.fence, include_state=True)
+            assert response.ByteSize() <= LIMIT and not response.events_gap
+            got.extend(response.events)
+            if not response.events_more:
+                break
+        assert got == want

@@ -72,6 +72,8 @@ def event_wire_bytes(event: KVCacheEvent) -> int:
     n += len(event.medium) + 6
     for h in event.block_hashes:
         n += len(h) + 6
+    if event.group_idx is not None:  # (vllm-0.33's fields from here on)
+        n += 6
     if isinstance(event, BlockStored):
         n += 5 * len(event.token_ids) + 6 + 6  # packed ids, their tag and length; block_size
         if event.parent_block_hash is not None:
@@ -80,7 +82,29 @@ def event_wire_bytes(event: KVCacheEvent) -> int:
             n += 6
         if event.lora_name is not None:
             n += 4 * len(event.lora_name) + 6
+        if event.kv_cache_spec_kind is not None:
+            n += 4 * len(event.kv_cache_spec_kind) + 6
+        if event.kv_cache_spec_sliding_window is not None:
+            n += 6
+        for tokens in event.lookahead_token_ids or ():
+            n += 12 + 5 * len(tokens)  # an EventTokens: its tag and length, its packed ids'
+        for keys in event.extra_keys or ():
+            n += 8  # an EventExtraKeys: its tag and length, ``present``
+            for key in keys or ():
+                n += 12 + _extra_key_bytes(key)  # an EventExtraKey (or a string of ``keys``)
     return n
+
+
+def _extra_key_bytes(key: object) -> int:
+    """An upper bound of one extra key's value in an EventExtraKey: a text's (or a
+    string of EventExtraKeys.keys), a digest's, or a multimodal key's identifier and
+    offset (sint64)."""
+    if isinstance(key, str):
+        return 4 * len(key)
+    if isinstance(key, bytes):
+        return len(key)
+    identifier, _offset = cast("tuple[str, int]", key)
+    return 6 + 4 * len(identifier) + 11
 
 
 #: dropped events past which the journal's list is cut (once they are most of it)

@@ -319,6 +319,8 @@ def _fresh_events(kind: str, n: int, rng: random.Random) -> list[KVCacheEvent]:
     freed requests do)."""
     if kind == "removed":
         return [block_removed(rng.randbytes(32)) for _ in range(n)]
+    if kind == "stored-0.33":  # a LoRA request's with an image, and 4 look-ahead tokens per block
+        return [_fresh_033(rng) for _ in range(n)]
     return [
         BlockStored(
             tuple(rng.randbytes(32) for _ in range(4)),
@@ -330,6 +332,25 @@ def _fresh_events(kind: str, n: int, rng: random.Random) -> list[KVCacheEvent]:
         )
         for _ in range(n)
     ]
+
+
+def _fresh_033(rng: random.Random) -> BlockStored:
+    """A vllm-0.33 BlockStored of 4 blocks: each block's extra keys (the adapter's name,
+    the image's identifier and offset: one name and one identifier per event, as a
+    request's) and look-ahead tokens."""
+    name, identifier = rng.randbytes(12).hex(), rng.randbytes(32).hex()
+    return BlockStored(
+        tuple(rng.randbytes(32) for _ in range(4)),
+        rng.randbytes(32),
+        tuple(rng.randrange(300, 200_000) for _ in range(64)),
+        16,
+        7,
+        name,
+        extra_keys=tuple((name, (identifier, rng.randrange(-(2**20), 2**20))) for _ in range(4)),
+        group_idx=0,
+        kv_cache_spec_kind="full_attention",
+        lookahead_token_ids=tuple(tuple(rng.randrange(300, 200_000) for _ in range(4)) for _ in range(4)),
+    )
 
 
 def _held_and_counted(kind: str, batches: int, size: int, seed: int) -> tuple[int, int, random.Random]:
@@ -356,7 +377,7 @@ def _held_and_counted(kind: str, batches: int, size: int, seed: int) -> tuple[in
     return min(helds), journal.bytes, rng
 
 
-@pytest.mark.parametrize("kind", ["removed", "stored"])
+@pytest.mark.parametrize("kind", ["removed", "stored", "stored-0.33"])
 def test_the_event_buffer_estimate_covers_what_it_holds(kind: str) -> None:
     """Scenario 9: the bytes the buffer counts (and the budget counts, budget.py) are at
     least what its events take, measured by tracemalloc; and past max_bytes it drops
@@ -375,7 +396,7 @@ def test_the_event_buffer_estimate_covers_what_it_holds(kind: str) -> None:
     assert bounded.missed(0) and not bounded.missed(bounded.oldest_sequence - 1)
 
 
-@pytest.mark.parametrize("kind", ["removed", "stored"])
+@pytest.mark.parametrize("kind", ["removed", "stored", "stored-0.33"])
 def test_the_event_buffer_estimate_covers_its_compact_events(kind: str) -> None:
     """The journal keeps a batch as published until the next publish, then in a compact
     form (service/events.py, _kept_form): the bytes it counts still cover what it holds

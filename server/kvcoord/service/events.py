@@ -46,6 +46,9 @@ EVENT_BYTES = 288
 EVENT_HASH_BYTES = 80
 #: one token id a kept event holds (an ``int`` object and its tuple slot)
 EVENT_TOKEN_BYTES = 40
+#: one of a vllm-0.33 BlockStored's per-block tuples (extra keys, look-ahead tokens)
+#: and its slot in the event's tuple of them, beyond its items
+EVENT_TUPLE_BYTES = 64
 
 
 def event_memory_bytes(event: KVCacheEvent) -> int:
@@ -60,7 +63,30 @@ def event_memory_bytes(event: KVCacheEvent) -> int:
         n += EVENT_TOKEN_BYTES * len(event.token_ids) + EVENT_HASH_BYTES
         if event.lora_name:
             n += 64 + len(event.lora_name)
+        # vllm-0.33's: each block's look-ahead tokens and extra keys (a tuple each, in
+        # a tuple; their keys counted as if none were shared). A request without any
+        # leaves a tuple of ``None`` per event, not counted: a plain 0.33 pool's events
+        # count as 0.16's, so a whole pool replaced between two takes still fits (budget.py).
+        lookahead, extra = event.lookahead_token_ids, event.extra_keys
+        if lookahead is not None:
+            n += EVENT_TUPLE_BYTES * (1 + len(lookahead)) + EVENT_TOKEN_BYTES * sum(map(len, lookahead))
+        if extra is not None and any(keys is not None for keys in extra):
+            n += EVENT_TUPLE_BYTES * (1 + len(extra))
+            for keys in extra:
+                for key in keys or ():
+                    n += _extra_key_memory(key)
     return n
+
+
+def _extra_key_memory(key: object) -> int:
+    """An upper bound of what one of a block's extra keys holds (its tuple's slot, the
+    key: a string, a digest, or a multimodal key's pair of identifier and offset)."""
+    if isinstance(key, str):
+        return 8 + 64 + 4 * len(key)
+    if isinstance(key, bytes):
+        return 8 + 64 + len(key)
+    identifier, _offset = cast("tuple[str, int]", key)
+    return 8 + EVENT_TUPLE_BYTES + 64 + 4 * len(identifier) + 32
 
 
 def event_wire_bytes(event: KVCacheEvent) -> int:

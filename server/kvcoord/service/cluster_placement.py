@@ -178,8 +178,15 @@ class ClusterPlacement(Placement):
         return self.cluster.view.holds(pool)
 
     def term(self, pool: str) -> int:
+        """The term of this replica's claim of ``pool`` (0: none held), whether or not the
+        replica is sure of its lease at this moment: a pool made right after its claim,
+        while that estimate lapsed for a moment, opens its stream in the store under the
+        claim (whose writes the store refuses once the claim is gone). Was 0 then: no
+        stream opened, and every call of the pool was told UNAVAILABLE until the watch's
+        next pass, up to a lease later."""
         view = self.cluster.view
-        return view.term(pool) if view.holds(pool) else 0
+        claim = view.claims.get(pool)
+        return claim.term if claim is not None and claim.replica_id == view.me.replica_id else 0
 
     async def before_create(self, pool: str) -> None:
         cluster, view = self.cluster, self.cluster.view

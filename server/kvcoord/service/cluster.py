@@ -182,63 +182,12 @@ class Cluster(ClusterStore):
                 await self.recover(pool)
 
     async def recover(self, pool: str) -> bool:
-        """Claim ``pool`` (a new term: its former owner can write nothing more), rebuild
-        it from its journal in the store and serve it. True once served here."""
-        assert self.streams is not None and self.load_pool is not None and self.scratch_registry is not None
-        from .store_rebuild import rebuild, stream_rows
+        """Claim ``pool`` (a new term), rebuild it from its journal in the store off the
+        loop and serve it while that claim is still this replica's (cluster_recover.py).
+        True once served here."""
+        from .cluster_recover import recover
 
-        view = self.view
-        if pool in view.claims or pool in view.moving or pool in self.adopting:
-            return view.holds(pool)  # claimed (or being moved) since it was found unclaimed
-        view.moving.add(pool)
-        self.adopting.add(pool)
-        try:
-            if pool in self.local_pools() and self.drop_local is not None:
-                self.drop_local(pool)  # the store has its history
-            claim = await self.claim(pool)
-            if claim is None:
-                return False
-            prefix = self.streams.pool_prefix(pool)
-            try:
-                rows = await self.client.get_prefix(prefix)
-            except Exception as exc:  # noqa: BLE001 - a slow or cut-off store: tried again later
-                # (was: raised on; at start that ended the process, exit 1, and a
-                # store slow for a moment put the replica in a crash loop)
-                logger.error(
-                    "pool %s: its journal could not be read from the cluster store (tried again in %d s): %r",
-                    pool, self.lease_seconds, exc,
-                )  # fmt: skip
-                self._retry_at[pool] = self.clock() + self.lease_seconds
-                try:
-                    await self.release(pool)
-                except Exception as again:  # noqa: BLE001 - recover_orphans releases it later
-                    logger.warning("pool %s: its claim could not be released: %r", pool, again)
-                return False
-            try:
-                rebuilt = rebuild(stream_rows(rows, prefix), self.scratch_registry, pool)
-            except Exception as exc:  # noqa: BLE001 - loud, and the pool stays unserved here
-                logger.critical(
-                    "pool %s cannot be rebuilt from its journal in the cluster store (tried again in "
-                    "%d s): %r", pool, self.lease_seconds, exc,
-                )  # fmt: skip
-                self._retry_at[pool] = self.clock() + self.lease_seconds
-                await self.release(pool)
-                return False
-            if rebuilt is None:  # created, never acknowledged anything: it does not exist
-                logger.warning("pool %s has no journal in the cluster store: removed from the catalog", pool)
-                await self.forget(pool)
-                return False
-            value, old_term, records = rebuilt
-            await self.load_pool(value, claim.term)
-            self.failovers += 1
-            logger.warning(
-                "took pool %s over from the cluster store (term %d after %d; %d records replayed)",
-                pool, claim.term, old_term, records,
-            )  # fmt: skip
-            return True
-        finally:
-            self.adopting.discard(pool)
-            view.moving.discard(pool)
+        return await recover(self, pool)
 
     # -- handovers ----------------------------------------------------------------------
     async def rebalance(self) -> None:

@@ -40,7 +40,9 @@ stops trusting it, never earlier. Nothing durable is counted on it: the lease ma
 (lease_marker.py) and the grace kept across restarts (startup.py) are written on the
 wall and monotonic clocks, and a session recovered after a restart is renewed then.
 
-Plain Python; read on one thread (the server's event loop, where every reader is).
+Plain Python; read on one thread (the server's event loop, where every reader is), save
+:meth:`LeaseClock.peek`, which counts nothing (a pool rebuilt on a thread of its own,
+store_rebuild.py, reads the time so).
 """
 
 from __future__ import annotations
@@ -103,6 +105,12 @@ class LeaseClock:
                 gap,
             )
         return now - self.paused
+
+    def peek(self) -> float:
+        """The time now, the pauses counted so far taken off, counting none: safe to
+        read on another thread while the loop reads the clock (a gap between two peeks
+        is never a pause: the loop's own reads count those)."""
+        return self.raw() - self.paused
 
 
 async def keep_ticking(clock: LeaseClock) -> None:

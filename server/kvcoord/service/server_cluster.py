@@ -18,6 +18,7 @@ from .cluster import Cluster, ClusterError
 from .cluster_placement import ClusterPlacement, ReplicasServicer, store_failed
 from .config import ClusterSettings, ServerConfig
 from .idempotency import IdempotencyStore
+from .lease_clock import LeaseClock
 from .ownership import Member
 from .registry import PoolRegistry
 from .registry_state import adopt_pool, dump_pool, journaled_limits
@@ -159,14 +160,16 @@ def store_journal(
         servicer.observer.pool_created(registry.pools[name])
         await registry.recorder.durable()
 
+    lease_clock = registry.sessions.clock
+    # (made on the rebuild's thread: the live lease clock is read there without counting
+    # anything, store_rebuild.py; what a pool's replay ages is counted as the live pool's)
+    peek = lease_clock.peek if isinstance(lease_clock, LeaseClock) else lease_clock
+
     def scratch(writer: str) -> PoolRegistry:
         return PoolRegistry(
             cfg.limits,
-            # (the lease clock: what a pool's replay ages is counted as the live pool's)
-            SessionTable(registry.sessions.clock, st.session_lease_seconds, st.max_session_lease_seconds),
-            IdempotencyStore(
-                registry.sessions.clock, st.idempotency_window_seconds, st.idempotency_max_bytes
-            ),
+            SessionTable(peek, st.session_lease_seconds, st.max_session_lease_seconds),
+            IdempotencyStore(peek, st.idempotency_window_seconds, st.idempotency_max_bytes),
             writer,
             clock=registry.clock,
         )

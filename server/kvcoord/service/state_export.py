@@ -46,6 +46,7 @@ __all__ = [
     "fork_encoder",
     "mirror_state_apart",
     "pool_encoded",
+    "started_apart",
 ]
 
 logger = logging.getLogger(__name__)
@@ -154,6 +155,13 @@ def _forked(encode: Callable[[], bytes]) -> tuple[int, int] | None:
     except OSError as exc:
         logger.warning("cannot fork to encode a pool's state off the loop (%s): encoded on the loop", exc)
         return None
+
+
+def started_apart(encode: Callable[[], bytes]) -> tuple[int, int] | None:
+    """:func:`fork_encoder` of ``encode`` when this process may fork (see the module
+    docstring; then :func:`collect` its bytes); None when it may not or the fork fails
+    (the caller encodes elsewhere)."""
+    return _forked(encode) if _forkable() else None
 
 
 def encode_started(encode: Callable[[], bytes]) -> bytes | asyncio.Future[bytes]:

@@ -44,7 +44,10 @@ watcher sees an event the next owner, rebuilt from the store, would not have.
 ``base`` is taken; its latest complete base is loaded into a scratch registry and the
 records after it replayed there (recovery.py's :class:`~.recovery.Replayer`, with the
 digests of what clients were told checked), and the result is the pool's state as a
-handover carries it.
+handover carries it. It runs in a forked child (a thread where the process may not
+fork), so the replica's lease and its other pools' calls go on meanwhile
+(:func:`~.store_rebuild.rebuilt_apart`); the pool is loaded only while the claim it was
+rebuilt for is still the replica's (cluster_recover.py).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ the rebuilding replica's cluster lease.
 The pool's owner (a real replica process) is SIGKILLed; the replica placement names
 next (in the test's process, real gRPC, real etcd) claims the pool and rebuilds it. The
 rebuild is made slow by a hook of this test only: store_rebuild.rebuild followed by
-three leases of CPU-bound Python (a large pool's replay at a CPU quota holds the CPU
+two leases (or more) of CPU-bound Python (a large pool's replay at a CPU quota holds the CPU
 so: 65,536 blocks took 4.6 s at 6 %). The rebuild ran on the event loop: the replica's
 keep-alive could not renew its lease, the lease ended and the claim with it, the pool
 was found unclaimed, claimed and rebuilt again, never served (seen: 11 claims in 2
@@ -36,35 +36,45 @@ from replica_here import TRIES, replica_here
 from service.helpers import allocate
 from test_replicas import POOL_CONFIG, in_process_store_replica, placed
 
-#: the replicas' cluster lease: the rebuild lasts three of them (at 3 s, one run in 8
-#: lost it at load 14 on 2 cores, the rebuilding child spinning on one of them)
-LEASE = 4
-SLOW_SECONDS = 3 * LEASE
+#: r0's cluster lease: the rebuild lasts two of them (at 3 s, one run in 8 lost it at
+#: load 14 on 2 cores, the rebuilding child spinning on one of them; at load 24 a 4 s
+#: lease was lost before any rebuild, the loop not run for up to 2.5 s at a time)
+LEASE = 6
+SLOW_SECONDS = 2 * LEASE
+#: the old owner's lease (its claim ends this long after it is killed)
+OLD_LEASE = 3
 #: r0's lease when the rebuild runs on a thread: outlasts it
 THREAD_LEASE = 4 * SLOW_SECONDS
+#: the longest a slowed rebuild the test does not let end runs
+HELD_AT_MOST = 120.0
 
 
 def _slowed(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, big: str, seconds: float = SLOW_SECONDS
-) -> tuple[Path, Path]:
-    """store_rebuild.rebuild of ``big`` followed by ``seconds`` of CPU-bound
-    Python; the files returned are made as that starts (holding the pid it runs in)
-    and once it ends (files: the rebuild may run in a forked child)."""
-    started, ended = tmp_path / "rebuild started", tmp_path / "rebuild ended"
+) -> tuple[Path, Path, Path]:
+    """store_rebuild.rebuild of ``big`` followed by CPU-bound Python for ``seconds`` at
+    least, and then until the test lets it end (the third file returned is made; at most
+    :data:`HELD_AT_MOST` seconds: a test that fails never hangs). The first file is made
+    as that starts (holding the pid it runs in), the second once it ends (files: the
+    rebuild may run in a forked child)."""
+    started, ended, may_end = tmp_path / "rebuild started", tmp_path / "rebuild ended", tmp_path / "may end"
     plain = store_rebuild.rebuild
 
     def slow(streams: Any, make_registry: Any, pool: str, *rest: Any) -> Any:
         out = plain(streams, make_registry, pool, *rest)
         if pool == big:
             started.write_text(str(os.getpid()))
-            until = time.monotonic() + seconds
-            while time.monotonic() < until:  # CPU-bound (on a thread: the GIL let go only at switches)
+            begun = time.monotonic()
+            # CPU-bound (on a thread: the GIL let go only at switches)
+            while (time.monotonic() - begun < seconds or not may_end.exists()) and (
+                time.monotonic() - begun < HELD_AT_MOST
+            ):
                 pass
             ended.touch()
         return out
 
     monkeypatch.setattr(store_rebuild, "rebuild", slow)
-    return started, ended
+    return started, ended, may_end
 
 
 async def _rebuilding(
@@ -87,11 +97,23 @@ async def _rebuilding(
     return acked
 
 
+def _replica_and_pools(
+    etcd: Etcd, name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lease: int = LEASE
+) -> tuple[str, Any, str, str, Path, Path, Path]:
+    """r0's address and config (cluster ``name``, r0's lease ``lease``), the pool ``big``
+    (the old owner's, r0's once it is gone) and the pool ``other`` (r0's), and the files
+    of the rebuild of ``big`` made slow (:func:`_slowed`)."""
+    address, cfg = in_process_store_replica(etcd.endpoint, name, tmp_path / "r0", lease)
+    big = placed("big", "old", ["r0", "old"])
+    other = placed("other", "r0", ["r0", "old"])
+    return address, cfg, big, other, *_slowed(monkeypatch, tmp_path, big)
+
+
 def _old_owner(etcd: Etcd, name: str, data_dir: Path) -> str:
     return (
         f'[server]\ndata_dir = "{data_dir}"\nsynchronous = "NORMAL"\n'
         f'[cluster]\nendpoints = ["{etcd.endpoint}"]\nname = "{name}"\nreplica_id = "old"\n'
-        f'lease_seconds = {LEASE}\nstore_timeout_seconds = 1.0\njournal = "store"\n'
+        f'lease_seconds = {OLD_LEASE}\nstore_timeout_seconds = 1.0\njournal = "store"\n'
     )
 
 
@@ -106,10 +128,9 @@ def test_a_rebuild_longer_than_the_lease_keeps_the_lease_and_serves_the_other_po
     what it keeps (the other pool's calls, one claim, the blocks) with a lease that
     outlasts it."""
     name = f"rebuild-keeps-lease-{where.replace(' ', '-')}"  # (a cluster of its own per case)
-    address, cfg = in_process_store_replica(etcd.endpoint, name, tmp_path / "r0", lease)
-    big = placed("big", "old", ["r0", "old"])  # the old owner's, r0's once it is gone
-    other = placed("other", "r0", ["r0", "old"])
-    started, ended = _slowed(monkeypatch, tmp_path, big)
+    address, cfg, big, other, started, ended, may_end = _replica_and_pools(
+        etcd, name, tmp_path, monkeypatch, lease
+    )
     if where == "on a thread":
         monkeypatch.setattr(state_export, "_forkable", lambda: False)
 
@@ -136,6 +157,7 @@ def test_a_rebuild_longer_than_the_lease_keeps_the_lease_and_serves_the_other_po
                 got = await c.allocate(other, allocate("o2", [9] * 8, 8).allocate, s.session_id, s.fence)
                 assert not got.result.refused
                 assert not ended.exists(), "a call of another pool waited for the whole rebuild"
+                may_end.touch()
             view = None
             async with AsyncKVCoordClient(address, timeout=10.0) as c:
                 for _ in range(4 * TRIES):  # bounded: the rebuild ends, the pool is served
@@ -183,10 +205,7 @@ def test_a_claim_lost_during_the_rebuild_is_not_served(
     until its first write to the store, compared on the claim, failed: the pool was
     then removed and the watch's pass raised)."""
     name = "rebuild-claim-lost"
-    address, cfg = in_process_store_replica(etcd.endpoint, name, tmp_path / "r0", LEASE)
-    big = placed("big", "old", ["r0", "old"])
-    other = placed("other", "r0", ["r0", "old"])
-    started, ended = _slowed(monkeypatch, tmp_path, big)
+    address, cfg, big, other, started, ended, may_end = _replica_and_pools(etcd, name, tmp_path, monkeypatch)
 
     async def run() -> None:
         async with replica_here(cfg) as (running, cluster):
@@ -201,6 +220,7 @@ def test_a_claim_lost_during_the_rebuild_is_not_served(
             await _rebuilding(etcd, name, tmp_path, address, big, other, started)
             assert big in cluster.adopting
             await cluster.client.put(cluster.key("owners", big), encode_claim("r9", "127.0.0.1:9"))
+            may_end.touch()
             for _ in range(4 * TRIES):  # bounded: the rebuild ends, and what follows it
                 if ended.exists() and big not in cluster.adopting:
                     break
@@ -226,10 +246,7 @@ def test_a_stop_during_a_rebuild_ends_it(etcd: Etcd, tmp_path: Path, monkeypatch
     rebuilds a pool in a forked child: the stop does not wait for the rebuild, and the
     child is ended with it (killed, never finishing)."""
     name = "rebuild-stopped"
-    address, cfg = in_process_store_replica(etcd.endpoint, name, tmp_path / "r0", LEASE)
-    big = placed("big", "old", ["r0", "old"])
-    other = placed("other", "r0", ["r0", "old"])
-    started, ended = _slowed(monkeypatch, tmp_path, big)
+    address, cfg, big, other, started, ended, _ = _replica_and_pools(etcd, name, tmp_path, monkeypatch)
 
     async def run() -> int:
         async with replica_here(cfg) as (_, cluster):

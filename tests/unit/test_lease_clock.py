@@ -55,6 +55,20 @@ def test_a_longer_gap_is_a_pause_counted_less_the_tick_by_the_first_read_after_i
     assert clock() == pytest.approx(before + 0.4) and clock.pauses == 2
 
 
+def test_a_peek_counts_no_pause_and_leaves_the_next_read_to_count_it() -> None:
+    """peek (a pool rebuilt on a thread reads the clock so, store_rebuild.py): the time
+    less the pauses counted so far; a gap before it is not counted by it, and it does
+    not hide that gap from the loop's next read."""
+    raw = ManualClock()
+    clock = _ticking(raw)
+    before = clock()
+    raw.advance(5.0)
+    assert clock.peek() == pytest.approx(before + 5.0) and clock.pauses == 0
+    assert clock() == pytest.approx(before + 0.1) and clock.pauses == 1  # the loop's read counts it
+    raw.advance(0.2)
+    assert clock.peek() == pytest.approx(before + 0.3) == clock()
+
+
 def test_it_never_runs_faster_than_the_monotonic_clock() -> None:
     raw = ManualClock()
     clock = _ticking(raw)

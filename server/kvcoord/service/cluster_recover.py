@@ -53,20 +53,13 @@ async def recover(cluster: Cluster, pool: str) -> bool:
         except Exception as exc:  # noqa: BLE001 - a slow or cut-off store: tried again later
             # (was: raised on; at start that ended the process, exit 1, and a
             # store slow for a moment put the replica in a crash loop)
-            logger.error(
-                "pool %s: its journal could not be read from the cluster store (tried again in %d s): %r",
-                pool, cluster.lease_seconds, exc,
-            )  # fmt: skip
-            await _given_back(cluster, pool)
+            await _given_back(cluster, pool, ": its journal could not be read from the cluster store", exc)
             return False
         try:
             rebuilt = await rebuilt_apart(rows, prefix, cluster.scratch_registry, pool)
         except Exception as exc:  # noqa: BLE001 - loud, and the pool stays unserved here
-            logger.critical(
-                "pool %s cannot be rebuilt from its journal in the cluster store (tried again in "
-                "%d s): %r", pool, cluster.lease_seconds, exc,
-            )  # fmt: skip
-            await _given_back(cluster, pool)
+            why = " cannot be rebuilt from its journal in the cluster store"
+            await _given_back(cluster, pool, why, exc, logging.CRITICAL)
             return False
         if rebuilt is None:  # created, never acknowledged anything: it does not exist
             logger.warning("pool %s has no journal in the cluster store: removed from the catalog", pool)
@@ -87,8 +80,12 @@ async def recover(cluster: Cluster, pool: str) -> bool:
         view.moving.discard(pool)
 
 
-async def _given_back(cluster: Cluster, pool: str) -> None:
-    """Not served here for now: tried again in a lease, the claim given back meanwhile."""
+async def _given_back(
+    cluster: Cluster, pool: str, why: str, exc: BaseException, level: int = logging.ERROR
+) -> None:
+    """Not served here for now (logged: "pool <pool><why>", and ``exc``): tried again in
+    a lease, the claim given back meanwhile."""
+    logger.log(level, "pool %s%s (tried again in %d s): %r", pool, why, cluster.lease_seconds, exc)
     cluster._retry_at[pool] = cluster.clock() + cluster.lease_seconds
     try:
         await cluster.release(pool)
@@ -104,11 +101,8 @@ async def _still_held(cluster: Cluster, claim: Claim) -> bool:
         found = await cluster.client.get(cluster.key("owners", pool))
         holder = None if found is None else decode_claim(pool, found.value, found.mod_revision)
     except Exception as exc:  # noqa: BLE001 - unknown: not served; tried again later
-        logger.error(
-            "pool %s was rebuilt from the cluster store, but its claim cannot be read there (not "
-            "served; tried again in %d s): %r", pool, cluster.lease_seconds, exc,
-        )  # fmt: skip
-        await _given_back(cluster, pool)
+        why = " was rebuilt from the cluster store, but its claim cannot be read there (not served)"
+        await _given_back(cluster, pool, why, exc)
         return False
     if holder == claim and cluster.view.lease_valid:
         return True

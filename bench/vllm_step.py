@@ -35,7 +35,8 @@ made of (the wait for the Step in flight, garbage collection, new requests admit
 requests finished, preempted and resumed, and vLLM's own time on the same steps: the
 decisions being the same, step i does the same work under both managers),
 the steps that waited, and the sender thread's CPU per step with the share of it
-spent inside the model's run. Prints p50 / mean / p99 per step, the
+spent inside the model's run; under each row, the collections (by generation) and their
+time inside the timed step, for each manager. Prints p50 / mean / p99 per step, the
 round trips per step (every RPC the manager's client makes; mean and max) and the
 milliseconds kvcoord adds, the p50 over (vLLM's p50 + one no-op round trip: a ListPools
 sent after each step of the row, untimed by the step, p50), and checks that every step's
@@ -90,6 +91,32 @@ VOCAB = 1000
 MODEL_TOUCHES = bytearray()
 
 
+class Collections:
+    """The cyclic collector's runs by generation and their wall time, counted by a
+    ``gc.callbacks`` entry (on whichever thread a collection runs: one on the sender
+    thread holds the GIL too); :func:`run` reads it around a step's timed parts."""
+
+    def __init__(self) -> None:
+        self.by_gen = [0, 0, 0]
+        self.seconds = 0.0
+        self._at = 0.0
+
+    def __call__(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._at = time.perf_counter()
+            self.by_gen[info["generation"]] += 1
+        else:
+            self.seconds += time.perf_counter() - self._at
+
+    def read(self) -> tuple[int, int, int, float]:
+        g0, g1, g2 = self.by_gen
+        return g0, g1, g2, self.seconds
+
+
+#: counted from ``main()`` on, every row's steps alike
+COLLECTIONS = Collections()
+
+
 def run(
     sched: Any,
     running: int,
@@ -101,6 +128,7 @@ def run(
     gap: Any = None,
     stats: list[tuple[int, int, float]] | None = None,
     cpu: list[float] | None = None,
+    collected: list[tuple[float, ...]] | None = None,
 ) -> tuple[list[float], list[Any]]:
     """Seconds per step (``schedule()`` plus ``update_from_output()``) and each step's
     summarized output; between the two the model runs for ``model_s`` seconds (a sleep,
@@ -134,16 +162,21 @@ def run(
     times, trace = [], []
     clock, cpu_clock = time.perf_counter, time.thread_time
     c0 = c1 = c2 = 0.0
+    k0 = k1 = k2 = COLLECTIONS.read()
     for _ in range(steps):
         while len(sched.requests) < running:
             add()
         if counter is not None:
             counter.append(0)
+        if collected is not None:
+            k0 = COLLECTIONS.read()
         if cpu is not None:
             c0 = cpu_clock()
         t0 = clock()
         out = sched.schedule()
         t1 = clock()
+        if collected is not None:
+            k1 = COLLECTIONS.read()
         if cpu is not None:
             c1 = cpu_clock()
         if gap is not None:
@@ -156,9 +189,14 @@ def run(
             gap(False)
         if cpu is not None:
             c2 = cpu_clock()
+        if collected is not None:
+            k2 = COLLECTIONS.read()
         t2 = clock()
         outs = sched.update_from_output(out, fake_runner_output(sched, out))
         times.append(clock() - t2 + (t1 - t0))
+        if collected is not None:
+            k3 = COLLECTIONS.read()
+            collected.append(tuple(b - a + d - c for a, b, c, d in zip(k0, k1, k2, k3, strict=True)))
         if cpu is not None:
             cpu.append(cpu_clock() - c2 + (c1 - c0))
         if stats is not None:
@@ -350,6 +388,7 @@ def _run_remote(
     ping: Any,
     stats: list[tuple[int, int, float]],
     cpu: list[float],
+    collected: list[tuple[float, ...]],
 ) -> tuple[list[float], list[Any], float, list[int], Any]:
     """One row on kvcoord (a pool of its own per round, deleted after it): step times,
     trace, round trip (ms), RPCs per step and, predicted, what its steps are made of
@@ -383,14 +422,15 @@ def _run_remote(
                 probe()
             with Makeup(manager, args.warmup) as makeup:
                 t, trace = run(remote, n, total, seed=n, counter=counts, between=makeup.between,
-                               model_s=model_ms / 1e3, gap=makeup.gap, stats=stats, cpu=cpu)  # fmt: skip
+                               model_s=model_ms / 1e3, gap=makeup.gap, stats=stats, cpu=cpu,
+                               collected=collected)  # fmt: skip
             for _ in range(200):
                 probe()
             rtt = pct(rtts, 0.5)
             makeup.steps_sent = manager.steps_sent
         else:
             t, trace = run(remote, n, total, seed=n, counter=counts, between=probe, model_s=model_ms / 1e3,
-                           stats=stats, cpu=cpu)  # fmt: skip
+                           stats=stats, cpu=cpu, collected=collected)  # fmt: skip
             rtt = pct(rtts[args.warmup :], 0.5)
     finally:
         remote.shutdown()
@@ -438,6 +478,7 @@ def main() -> None:
     )  # fmt: skip
     args = ap.parse_args()
     MODEL_TOUCHES.extend(bytes(args.model_touch_mb << 20))
+    gc.callbacks.append(COLLECTIONS)
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
     os.environ.setdefault("PYTHONHASHSEED", "0")
@@ -483,6 +524,8 @@ def main() -> None:
             figures: list[dict[str, tuple[float, float, float, float]]] = []
             # per round and name: the scheduler thread's CPU per step, p50 / mean / p99 (ms)
             cpu_figures: list[dict[str, tuple[float, float, float]]] = []
+            # per name: each measured step's collections (gen 0, 1, 2, seconds), every round
+            gcs: dict[str, list[tuple[float, ...]]] = {name: [] for name in names}
             base_trace: list[Any] | None = None
             base_stats: list[tuple[int, int, float]] | None = None
             for r in range(args.rounds):
@@ -493,22 +536,24 @@ def main() -> None:
                 for name in names if r % 2 == 0 else names[::-1]:
                     stats: list[tuple[int, int, float]] = []
                     cpus[name] = []
+                    collected: list[tuple[float, ...]] = []
                     if name == "vLLM":
                         local = make_scheduler(SCHEDULERS[kind], config(), kv_cache_config(layout, blocks))
                         freeze_heap()
                         t, trace = run(local, n, total, seed=n, counter=None, model_s=model_s, stats=stats,
-                                       cpu=cpus[name])  # fmt: skip
+                                       cpu=cpus[name], collected=collected)  # fmt: skip
                         got[name] = (*_figures(t[args.warmup :]), 0.0)
                         lines[name] = ("", None)
                     else:
                         t, trace, rtt, counts, makeup = _run_remote(
                             args, name == "predicted", cls_of(kind), config, layout, kind, n, pools, blocks,
-                            model_ms, r, server.address, probe, rtts, ping, stats, cpus[name],
+                            model_ms, r, server.address, probe, rtts, ping, stats, cpus[name], collected,
                         )  # fmt: skip
                         got[name] = (*_figures(t[args.warmup :]), rtt)
                         trips = sum(counts[args.warmup :]) / len(counts[args.warmup :])
                         lines[name] = (f" {trips:9.2f} {max(counts[args.warmup :]):8d}", makeup)
                     times[name] = t
+                    gcs[name] += collected[args.warmup :]
                     if base_trace is None:
                         base_trace, base_stats = trace, stats
                     assert trace == base_trace, f"{name}'s scheduler decided differently"
@@ -543,6 +588,10 @@ def main() -> None:
                     ]
                     print(f"{n:>7} {'':<22} scheduler thread CPU per step: p50 x {cpux[0]:.2f}, mean x {cpux[1]:.2f}, "
                           f"p99 x {cpux[2]:.2f} (medians of the paired rounds)")  # fmt: skip
+            print(f"{n:>7} {'':<22} collections inside the timed step, per measured step (all rounds): "
+                  + "; ".join(f"{name} gen 0/1/2 " + "/".join(f"{statistics.fmean(c[i] for c in gcs[name]):.3f}"
+                              for i in range(3)) + f", {statistics.fmean(c[3] for c in gcs[name]) * 1e3:.3f} ms"
+                              for name in names))  # fmt: skip
         print("scheduler outputs identical on every step")
     finally:
         ping.close()

@@ -242,6 +242,37 @@ def test_a_cut_at_a_position_restored_to_is_seen_behind_later_notes() -> None:
     assert (sync.base_num_tokens, list(sync.append_token_ids)) == (51, [5, 300, 301, 302, 303, 304])
 
 
+def test_a_cut_after_many_failed_steps_without_a_commit_is_still_seen() -> None:
+    """Steps failing one after the other, none answered (a server away, a backlog of
+    eight decode steps sent and lost each time): each round writes its notes past the
+    committed position and is rolled back to it. After five such rounds the ring's
+    thirty-two notes were all written since the committed position's own note, which
+    was written over: a cut at that position then found no note, read as "not a
+    position this tracker sent", and the request was synced as if unchanged (the
+    server kept the discarded token and its hash: a later prefix hit on KV of another
+    prompt). The position restored to keeps its note."""
+    t = RequestTracker(_config(), NONE)
+    r = _vllm_request(list(range(100, 111)))
+    r.num_computed_tokens = 10
+    t.sync(r)
+    t.commit(["r"])
+    for _ in range(5):
+        for i in range(8):  # (synced as a decode step: sync_run, or next_token's fast path)
+            r.all_token_ids._x.append(300 + i)
+            r.num_computed_tokens = len(r.all_token_ids) - 1
+            r.block_hashes.extend(_hashes(list(r.all_token_ids._x))[len(r.block_hashes) :])
+            assert list(t.sync(r).append_token_ids) == [300 + i]
+        t.rollback(["r"])
+        del r.all_token_ids._x[11:]  # (vLLM's request as the restore left the tracker: 11 tokens)
+        del r.block_hashes[2:]
+        r.num_computed_tokens = 10
+    assert t.mark("r") == (11, 2, 10, True)
+    _cut(r, [50, 51])  # the discarded token (110) is the last the server holds
+    sync = t.sync(r)
+    assert sync.HasField("rewind_num_tokens") and sync.rewind_num_tokens == 10
+    assert (sync.base_num_tokens, list(sync.append_token_ids)) == (11, [50, 51])
+
+
 # -- the session's prompt length (vLLM 0.33: num_prompt_tokens grows at the cut) -------
 def _sparse_session(grow: bool) -> tuple[Driver, list[int], Any]:
     """vllm-0.33 full + sliding window (8 tokens, sparse retention): session "s", its

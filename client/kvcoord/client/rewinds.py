@@ -32,6 +32,7 @@ __all__ = [
     "FIRST_LAST",
     "changed",
     "forget_after",
+    "keep_note",
     "new_seen",
     "note",
     "note_token",
@@ -111,6 +112,22 @@ def seen_at(t: Any, n: int) -> tuple[Any, int, object] | None:
         if ring[j] == n:
             return ring[j + 1], ring[j + 2], ring[ring[j + 3]]
     return None
+
+
+def keep_note(t: Any) -> None:
+    """The note of the position ``t`` was just restored to (:meth:`.tracking._Tracked.restore`)
+    written again as the newest, unless it is: Steps failing one after the other, none
+    answered, each note positions past it and are rolled back to it, and a ring written
+    round since the position's own note loses it (its last hash too), so that a cut at
+    that position read as "nothing noted: unchanged" and was synced as if nothing had
+    happened. Kept newest at each restore, it stays within the notes of one backlog."""
+    n = t.sent_tokens
+    ring = t.seen
+    if not n or ring[t.seen_at] == n:
+        return
+    seen = seen_at(t, n)
+    if seen is not None and seen[1] == t.sent_hashes:
+        note_token(t, seen[0], seen[2])
 
 
 def forget_after(t: Any, n: int) -> None:

@@ -20,7 +20,7 @@ from kvcoord.v1 import allocator_pb2 as pb
 
 from .errors import InvalidArgumentError, KVCoordError, RequestsLostError
 from .hashing import BlockHasher, MultiModalItem
-from .rewinds import FIRST_LAST, changed, forget_after, new_seen, note, note_token, rewind_point
+from .rewinds import FIRST_LAST, changed, forget_after, keep_note, new_seen, note, note_token, rewind_point
 from .sync_values import SyncValues
 from .token_lists import as_bytes, token_list
 
@@ -94,6 +94,7 @@ class _Tracked:
         self.prompt = self.prompt_committed
         if self.hasher is not None:
             self.hasher.truncate(self.sent_tokens)
+        keep_note(self)
 
 
 class RequestTracker:

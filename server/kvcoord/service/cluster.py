@@ -31,7 +31,8 @@ import grpc
 from kvcoord.v1 import allocator_pb2 as pb
 from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
 
-from .cluster_store import ClusterError, ClusterStore
+from .cluster_recover import ClusterRecovery
+from .cluster_store import ClusterError
 from .cluster_watch import follow_changes
 from .ownership import Claim, Member
 from .tasks import cancel_and_wait, uncancelled
@@ -46,7 +47,7 @@ HANDOVER_SECONDS = 30.0
 LEAVE_PARALLEL = 4
 
 
-class Cluster(ClusterStore):
+class Cluster(ClusterRecovery):
     """One replica in its cluster: its connection to the store (:class:`ClusterStore`,
     whose arguments it takes) and what it does as the cluster changes: claims,
     failover, handovers."""
@@ -180,14 +181,6 @@ class Cluster(ClusterStore):
                 return
             if pool not in self.adopting and self._retry_at.get(pool, 0.0) <= now:
                 await self.recover(pool)
-
-    async def recover(self, pool: str) -> bool:
-        """Claim ``pool`` (a new term), rebuild it from its journal in the store off the
-        loop and serve it while that claim is still this replica's (cluster_recover.py).
-        True once served here."""
-        from .cluster_recover import recover
-
-        return await recover(self, pool)
 
     # -- handovers ----------------------------------------------------------------------
     async def rebalance(self) -> None:

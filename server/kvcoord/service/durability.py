@@ -81,6 +81,7 @@ from typing import TYPE_CHECKING, Any
 import cbor2
 
 from .journal_cbor import record_bytes
+from .pool_service import ABANDONED, ABANDONED_PAST_RESERVATIONS
 from .sessions import attach_tail
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -106,13 +107,6 @@ logger = logging.getLogger(__name__)
 
 #: the temporary files snapshots are encoded into: ``snapshot-<seq>.part`` (``.tmp`` while written)
 SNAPSHOT_FILE_GLOB = "snapshot-*.part*"
-#: a "detach" / "expire" record's last field: the session's requests were freed as
-#: abandoned (PoolService.ending_session); a journal written before that rule lacks it
-ABANDONED = 1
-#: that field since routers' reservations keep no entry of an abandoned request's
-#: blocks (engine ``free_abandoned``'s ``drop_reserved``): a record with
-#: :data:`ABANDONED` replays as its server freed, reservations keeping them
-ABANDONED_PAST_RESERVATIONS = 2
 
 
 def answer_digest(answer: bytes) -> bytes:

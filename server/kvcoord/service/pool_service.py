@@ -37,7 +37,6 @@ from kvcoord.wire.rules import rules_fingerprint
 from .attach_reset import reset_for_new_engine
 from .attach_rules import check_admission, check_handshake
 from .budget import event_buffer_bytes
-from .durability import ABANDONED, ABANDONED_PAST_RESERVATIONS
 from .errors import ErrorReason, ServiceError, Status
 from .events import EventJournal
 from .fences import Fence
@@ -71,6 +70,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from .positions import JournalPositions
 
 __all__ = [
+    "ABANDONED",
+    "ABANDONED_PAST_RESERVATIONS",
     "SLICED_ALLOCATE_TOKENS",
     "UNSCORED_NO_PROMPT",
     "drain",
@@ -91,6 +92,17 @@ __all__ = [
     "new_score",
     "score_settings",
 ]
+
+
+#: how a session's requests are freed when it ends (:meth:`PoolService.ending_session`),
+#: the last field of its "detach" / "expire" journal record (durability.py); a record
+#: without it (a journal older than these rules) frees them plainly (``free``).
+#: ABANDONED: as abandoned (their blocks' cache entries dropped where only they held
+#: them), routers' reservations keeping the entries of the blocks they hold too
+ABANDONED = 1
+#: as abandoned, reservations reading nothing: a block only reservations hold besides
+#: the request loses its entry too (engine ``free_abandoned``'s ``drop_reserved``)
+ABANDONED_PAST_RESERVATIONS = 2
 
 
 class PoolService:

@@ -20,12 +20,12 @@ from kvcoord.wire import MAX_MODEL_LEN_UNLIMITED, config_from_pb
 
 from .bounds import MAX_NAME_LENGTH
 from .budget import MemoryBudget
-from .durability import ABANDONED_PAST_RESERVATIONS, Recorder
+from .durability import Recorder
 from .errors import ErrorReason, ServiceError, Status
 from .idempotency import IdempotencyStore
 from .logs import ids
 from .pool_locks import PoolLocks
-from .pool_service import Fence, Limits, PoolService, drain
+from .pool_service import ABANDONED_PAST_RESERVATIONS, Fence, Limits, PoolService, drain
 from .positions import JournalPositions
 from .scoring import ScoreIndex
 from .sessions import Session, SessionTable

@@ -548,7 +548,7 @@ def test_watchers_see_no_event_before_it_is_in_the_store(
                 c.allocate("w", allocate("b", list(range(100, 108)), 8).allocate, s.session_id, s.fence)
                 answered.append(time.monotonic())
 
-            os.kill(etcd.proc.pid, signal.SIGSTOP)
+            etcd.freeze()
             try:
                 caller = threading.Thread(target=second, daemon=True)
                 caller.start()

@@ -307,7 +307,7 @@ def test_events_follow_resumes_across_a_server_restart(tmp_path: Path) -> None:
     """`kvcoord events --follow` outlives a SIGKILLed and restarted server: it says the
     stream was lost, resumes after the last event it read (the journaled pool's history
     goes on: the next event, no gap, no reset, the new instance's fence), and SIGINT
-    stops it cleanly (exit 0) with the state file at the last event."""
+    stops it cleanly (exit 130, Ctrl-C's status) with the state file at the last event."""
     srv = DurableServer(
         tmp_path,
         small_pool(64).replace(
@@ -370,7 +370,7 @@ def test_events_follow_resumes_across_a_server_restart(tmp_path: Path) -> None:
             assert time.monotonic() < deadline, f"the state file never reached {resumed['sequence']}"
             time.sleep(0.1)
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(120) == 0
+        assert proc.wait(120) == 130
         assert proc.stderr is not None
         err = proc.stderr.read()
         assert "kvcoord: stream lost" in err and "kvcoord: stream resumed" in err, err
@@ -386,6 +386,78 @@ def test_events_follow_resumes_across_a_server_restart(tmp_path: Path) -> None:
             if pipe is not None:
                 pipe.close()
         srv.stop()
+
+
+def test_events_follow_stops_on_sigint_wherever_it_waits(tmp_path: Path) -> None:
+    """Ctrl-C ends `kvcoord events --follow` with status 130 and its resume line (the
+    last event read), wherever it waits: reading a live stream; reading from a server
+    held with SIGSTOP (a restart in progress: connected, nothing answers); and, the
+    server SIGKILLed, resuming every second (signalled at staggered moments of the
+    sleep and the resume calls). Five real CLI processes; the waits are bounds on a hang."""
+    srv = DurableServer(
+        tmp_path,
+        small_pool(64).replace(
+            "enable_caching = true", "enable_caching = true\nenable_kv_cache_events = true"
+        ),
+    )
+    srv.start()
+    e = env()
+    e.update(KVCOORD_TARGET=srv.address)
+    names = ["live", "paused", "lost-0", "lost-1", "lost-2"]
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def text(name: str, kind: str) -> str:
+        return (tmp_path / f"{name}.{kind}").read_text()
+
+    def wait_for(name: str, kind: str, needle: str) -> None:
+        deadline = time.monotonic() + 180  # a loaded machine started the CLI in 20-35 s
+        while needle not in text(name, kind):
+            assert procs[name].poll() is None, (name, procs[name].returncode, text(name, "err"))
+            assert time.monotonic() < deadline, (name, needle, text(name, kind))
+            time.sleep(0.05)
+
+    def interrupt(name: str, sequence: int) -> None:
+        procs[name].send_signal(signal.SIGINT)
+        try:
+            status = procs[name].wait(120)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{name}: SIGINT did not end it: {text(name, 'err')}") from None
+        err = text(name, "err")
+        assert status == 130, (name, status, err)
+        assert "Traceback" not in err, (name, err)
+        assert f"1 event(s); resume with --after {sequence} --fence" in err, (name, err)
+
+    try:
+        for name in names:  # stdout and stderr to files: no pipe fills up unread
+            with open(tmp_path / f"{name}.out", "wb") as out, open(tmp_path / f"{name}.err", "wb") as err:
+                procs[name] = subprocess.Popen(
+                    [sys.executable, "-m", "kvcoord.client.cli", "events", "--pool", "p", "--follow"],
+                    stdout=out, stderr=err, env=e,
+                )  # fmt: skip
+        with KVCoordClient(srv.address) as c:
+            sid, fence = attach(c, "p")
+            c.step("p", [allocate("sig", list(range(8)), 8), pb.Operation(free=pb.FreeOp(request_id="sig"))],
+                   sid, fence)  # fmt: skip
+            c.detach(sid, fence)
+        for name in names:
+            wait_for(name, "out", "block_stored")
+        sequence = int(text("live", "out").split()[0])
+        interrupt("live", sequence)
+        with srv.paused():
+            interrupt("paused", sequence)
+        srv.kill()
+        for name in names[2:]:
+            wait_for(name, "err", "kvcoord: stream lost")
+        for i, name in enumerate(names[2:]):
+            time.sleep(0.35 * i)  # within the 1 s between resumes: the sleep, then a resume call
+            interrupt(name, sequence)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+        if srv.proc is not None and srv.proc.poll() is None:
+            srv.kill()
 
 
 def test_score_a_prompt_file(server: DurableServer, client: KVCoordClient, tmp_path: Path) -> None:

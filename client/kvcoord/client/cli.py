@@ -10,15 +10,16 @@ the server's ``serve``, the trace replayer's ``conformance``.
 
 Exit statuses (the ``EXIT_*`` constants; ``kvcoord --help`` lists them):
 
-== =======================================================================
-0  done
-1  the answer reports a problem (check found violations, health not SERVING)
-2  usage: a bad option, an unreadable file (prompt, state, TLS, config)
-6  the server is unreachable (UNAVAILABLE, DEADLINE_EXCEEDED)
-7  the credential was refused (UNAUTHENTICATED, PERMISSION_DENIED)
-8  the pool (or another named thing) is unknown (NOT_FOUND)
-9  any other refusal by the server (INVALID_ARGUMENT, ALREADY_EXISTS, ...)
-== =======================================================================
+=== =======================================================================
+0   done
+1   the answer reports a problem (check found violations, health not SERVING)
+2   usage: a bad option, an unreadable file (prompt, state, TLS, config)
+6   the server is unreachable (UNAVAILABLE, DEADLINE_EXCEEDED)
+7   the credential was refused (UNAUTHENTICATED, PERMISSION_DENIED)
+8   the pool (or another named thing) is unknown (NOT_FOUND)
+9   any other refusal by the server (INVALID_ARGUMENT, ALREADY_EXISTS, ...)
+130 interrupted by Ctrl-C (SIGINT); ``events --follow`` ends so, after its summary
+=== =======================================================================
 
 ``kvcoord serve`` keeps its own (2 config, 3 cannot start: a port that cannot be
 bound included, 4 journal write failed, 5 journal lost).
@@ -33,7 +34,7 @@ from typing import Any
 
 import click
 
-from .cli_common import EXIT_CODES_HELP, EXIT_USAGE, CliFailure
+from .cli_common import EXIT_CODES_HELP, EXIT_INTERRUPTED, EXIT_USAGE, CliFailure
 from .cli_observe import events, health, score
 from .cli_pools import pools, sessions, status
 
@@ -134,9 +135,15 @@ def run(group: click.Command, argv: Sequence[str] | None = None, prog_name: str 
         rv = group.main(
             args=list(argv) if argv is not None else None, prog_name=prog_name, standalone_mode=False
         )
-    except click.exceptions.Abort:
+    except click.exceptions.Abort as exc:
+        if isinstance(exc.__cause__, KeyboardInterrupt):  # click's word for Ctrl-C
+            click.echo("kvcoord: interrupted", err=True)
+            return EXIT_INTERRUPTED
         click.echo("kvcoord: aborted", err=True)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C outside the command (click's own code)
+        click.echo("kvcoord: interrupted", err=True)
+        return EXIT_INTERRUPTED
     except click.ClickException as exc:
         exc.show()
         return exc.exit_code

@@ -45,11 +45,13 @@ EXIT_UNREACHABLE = 6
 EXIT_UNAUTHORIZED = 7
 EXIT_NOT_FOUND = 8
 EXIT_REFUSED = 9
+#: Ctrl-C (SIGINT), as shells report a command it ended: 128 + 2
+EXIT_INTERRUPTED = 130
 
 EXIT_CODES_HELP = (
     "Exit status: 0 done; 1 the answer reports a problem (check violations, health not "
     "SERVING); 2 usage or an unreadable file; 6 server unreachable; 7 credential refused; "
-    "8 pool unknown; 9 other refusal by the server. serve: 2 bad config, 3 cannot start "
+    "8 pool unknown; 9 other refusal by the server; 130 interrupted (Ctrl-C). serve: 2 bad config, 3 cannot start "
     "(port in use, data directory), 4 journal write failed, 5 journal lost."
 )
 

@@ -18,6 +18,7 @@ from kvcoord.wire import event_from_pb
 
 from .cli_common import (
     EXIT_FAILED_CHECK,
+    EXIT_INTERRUPTED,
     EXIT_USAGE,
     FOLLOW_RETRY_SECONDS,
     CliFailure,
@@ -89,9 +90,13 @@ def _write_state(path: Path, pool: str, after: int, fence: pb.Fence) -> None:
     if fence.position:  # (what proves a restored data directory: positions.py)
         state.update(position=fence.position, position_tag=fence.position_tag.hex())
     fd, tmp = tempfile.mkstemp(prefix=path.name, dir=path.parent or ".")
-    with os.fdopen(fd, "w") as f:
-        f.write(json.dumps(state) + "\n")
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(state) + "\n")
+        os.replace(tmp, path)
+    except BaseException:  # Ctrl-C or a full disk mid-write: the old file stays, no stray temp file
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def event_dict(msg: pb.WatchEventsResponse) -> dict[str, Any]:
@@ -193,49 +198,74 @@ def events(
     state_path = Path(state_file) if state_file else None
     if state_path is not None and after is None and fence is None:
         after, fence = _read_state(state_path, pool)
-    position = after or 0
-    last_fence = fence
-    count = 0
-    lost = False
-    with conn.client() as c:
-        c.get_pool(pool)  # an unknown pool is one error line, not a silent empty stream
-        while True:
-            stream = c.watch_events(pool, position, timeout=None if follow else seconds, fence=last_fence)
-            try:
-                for msg in stream:
-                    if lost:
-                        click.echo("kvcoord: stream resumed", err=True)
-                        lost = False
-                    if conn.as_json:
-                        click.echo(json.dumps(event_dict(msg), sort_keys=True))
-                    else:
-                        for line in event_lines(msg, position):
-                            click.echo(line)
-                    position, last_fence = msg.sequence, msg.fence
-                    if state_path is not None:
-                        _write_state(state_path, pool, position, msg.fence)
-                    count += 1
-                    if limit is not None and count >= limit:
-                        break
-                if not follow or (limit is not None and count >= limit):
-                    break
-                # --follow: the server ended the stream (it is stopping): resume
-                lost = _lost(lost, "the server ended the stream")
-            except UnavailableError as err:
-                if not follow:
-                    raise
-                lost = _lost(lost, one_line(err.message))
-            except KeyboardInterrupt:
-                break
-            finally:
-                getattr(stream, "close", lambda: None)()  # ends the call (a generator)
-            try:
-                time.sleep(FOLLOW_RETRY_SECONDS)
-            except KeyboardInterrupt:
-                break
+    read = _Read(after or 0, fence)
+    interrupted = False
+    try:
+        with conn.client() as c:
+            c.get_pool(pool)  # an unknown pool is one error line, not a silent empty stream
+            _stream_events(c, conn, pool, read, state_path, follow, seconds, limit)
+    except KeyboardInterrupt:
+        # Ctrl-C wherever it lands (a stream read, the retry sleep, a resume call, closing
+        # the channel): the summary below and status 130, never a loop that goes on
+        interrupted = True
     if not conn.as_json:
-        where = f" --after {position} --fence {_resume_text(last_fence)}" if last_fence is not None else ""
-        click.echo(f"{count} event(s); resume with{where or ' --after ' + str(position)}", err=True)
+        resume = f" --fence {_resume_text(read.fence)}" if read.fence is not None else ""
+        click.echo(f"{read.count} event(s); resume with --after {read.position}{resume}", err=True)
+    if interrupted:
+        raise click.exceptions.Exit(EXIT_INTERRUPTED)
+
+
+class _Read:
+    """How far ``events`` has read: the last event's sequence and fence, and how many."""
+
+    def __init__(self, position: int, fence: pb.Fence | None) -> None:
+        self.position = position
+        self.fence = fence
+        self.count = 0
+
+
+def _stream_events(
+    c: Any,
+    conn: Connection,
+    pool: str,
+    read: _Read,
+    state_path: Path | None,
+    follow: bool,
+    seconds: float,
+    limit: int | None,
+) -> None:
+    """Print the pool's events into ``read`` (a KeyboardInterrupt goes to the caller,
+    which still knows where the last event left off)."""
+    lost = False
+    while True:
+        stream = c.watch_events(pool, read.position, timeout=None if follow else seconds, fence=read.fence)
+        try:
+            for msg in stream:
+                if lost:
+                    click.echo("kvcoord: stream resumed", err=True)
+                    lost = False
+                if conn.as_json:
+                    click.echo(json.dumps(event_dict(msg), sort_keys=True))
+                else:
+                    for line in event_lines(msg, read.position):
+                        click.echo(line)
+                read.position, read.fence = msg.sequence, msg.fence
+                if state_path is not None:
+                    _write_state(state_path, pool, read.position, msg.fence)
+                read.count += 1
+                if limit is not None and read.count >= limit:
+                    return
+            if not follow:
+                return
+            # --follow: the server ended the stream (it is stopping): resume
+            lost = _lost(lost, "the server ended the stream")
+        except UnavailableError as err:
+            if not follow:
+                raise
+            lost = _lost(lost, one_line(err.message))
+        finally:
+            getattr(stream, "close", lambda: None)()  # ends the call (a generator)
+        time.sleep(FOLLOW_RETRY_SECONDS)
 
 
 def _lost(already: bool, why: str) -> bool:

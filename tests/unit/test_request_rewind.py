@@ -120,6 +120,16 @@ def _cut(r: Any, append: list[int]) -> None:
     r.block_hashes.extend(_hashes(list(r.all_token_ids._x))[len(r.block_hashes) :])
 
 
+def _committed_session() -> tuple[RequestTracker, Any]:
+    """A tracker and its request "r" (11 tokens, 10 computed), synced and committed."""
+    t = RequestTracker(_config(), NONE)
+    r = _vllm_request(list(range(100, 111)))
+    r.num_computed_tokens = 10
+    t.sync(r)
+    t.commit(["r"])
+    return t, r
+
+
 def test_the_tracker_rewinds_a_cut_request_to_its_computed_tokens() -> None:
     t = RequestTracker(_config(), NONE)
     r = _vllm_request(list(range(100, 111)))  # 11 tokens, 2 hashes
@@ -176,11 +186,7 @@ def test_a_rewind_rolled_back_is_sent_again(chunk: list[int]) -> None:
     the position goes back to the committed one, and the next sync rewinds again, even
     where the request's length is the one sent before (its last token then says nothing
     of what the server holds)."""
-    t = RequestTracker(_config(), NONE)
-    r = _vllm_request(list(range(100, 111)))
-    r.num_computed_tokens = 10
-    t.sync(r)
-    t.commit(["r"])
+    t, r = _committed_session()
     _cut(r, chunk)
     first = t.sync(r)
     assert first.rewind_num_tokens == 10 and first.base_num_tokens == 11
@@ -196,11 +202,7 @@ def test_a_rewind_rolled_back_is_sent_again(chunk: list[int]) -> None:
 def test_a_decode_step_after_a_rewind_rolled_back_is_no_run_entry() -> None:
     """A rewind's call failed and the request then decodes one token: it rewinds again
     (sync_values), never a run entry (next_token / sync_run give it up)."""
-    t = RequestTracker(_config(), NONE)
-    r = _vllm_request(list(range(100, 111)))
-    r.num_computed_tokens = 10
-    t.sync(r)
-    t.commit(["r"])
+    t, r = _committed_session()
     _cut(r, [50])
     assert t.sync(r).rewind_num_tokens == 10
     t.rollback(["r"])
@@ -223,11 +225,7 @@ def test_a_cut_at_a_position_restored_to_is_seen_behind_later_notes() -> None:
     forty committed decode steps (the ring wrapped) and five more whose Steps failed,
     the position is restored to one five notes behind the newest, and a change of its
     last token is found there and rewound, never sent as if the request were unchanged."""
-    t = RequestTracker(_config(), NONE)
-    r = _vllm_request(list(range(100, 111)))
-    r.num_computed_tokens = 10
-    t.sync(r)
-    t.commit(["r"])
+    t, r = _committed_session()
     for i in range(40):
         _decode(t, r, 200 + i)
         t.commit(["r"])
@@ -251,11 +249,7 @@ def test_a_cut_after_many_failed_steps_without_a_commit_is_still_seen() -> None:
     position this tracker sent", and the request was synced as if unchanged (the
     server kept the discarded token and its hash: a later prefix hit on KV of another
     prompt). The position restored to keeps its note."""
-    t = RequestTracker(_config(), NONE)
-    r = _vllm_request(list(range(100, 111)))
-    r.num_computed_tokens = 10
-    t.sync(r)
-    t.commit(["r"])
+    t, r = _committed_session()
     for _ in range(5):
         for i in range(8):  # (synced as a decode step: sync_run, or next_token's fast path)
             r.all_token_ids._x.append(300 + i)

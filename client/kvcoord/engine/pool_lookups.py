@@ -11,7 +11,7 @@ from .errors import FailedPreconditionError, InvalidArgumentError
 from .hash_list import request_keys
 from .pool_vllm033 import Pool033Calls
 from .request_table import check_count
-from .reservations import Reservation
+from .reservations import Reservation, read_by_eagle_search
 from .results import AllocationResult, BlockIds, CacheHit
 
 
@@ -106,8 +106,9 @@ class PoolLookups(Pool033Calls):
             prefix = self.cache_namespaces[cache_namespace] if cache_namespace else b""
             held: Sequence[Sequence[int]] = hit.block_ids
             if self.config.use_eagle:
-                keys = request_keys(block_hashes, prefix)
-                held = self.hits.cached_under(keys, self.hits.eagle_reach(keys, num_tokens))
+                held = read_by_eagle_search(
+                    self.hits, self.config, request_keys(block_hashes, prefix), num_tokens
+                )
             self.reservations.hold(reservation_id, hit, held, prefix, block_hashes, num_tokens)
         return hit
 

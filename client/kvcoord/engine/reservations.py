@@ -25,11 +25,18 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from .block_pool import BlockPool
+from .hash_list import hashes_at_block_size
+from .profiles import VLLM_016
 from .results import CacheHit
 
-__all__ = ["Reservation", "ReservationCounters", "Reservations"]
+if TYPE_CHECKING:
+    from .config import KVCacheConfig
+    from .hits import PrefixHits
+
+__all__ = ["Reservation", "ReservationCounters", "Reservations", "read_by_eagle_search"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -155,3 +162,36 @@ class Reservations:
                 for b in ids:
                     out[b] = out.get(b, 0) + 1
         return out
+
+
+def read_by_eagle_search(
+    hits: PrefixHits, config: KVCacheConfig, keys: Sequence[bytes], num_tokens: int
+) -> list[list[int]]:
+    """Per group, in position order, the blocks cached under a prompt's keys that its
+    search with EAGLE's drop may read (the hit depends on each: every pass drops the
+    block it matched last). When the search starts with full attention, that group's
+    run of cached keys ends at its first miss, where its search stops, and caps every
+    other group's search (a vllm-0.33 hybrid's group peeks one of its blocks past
+    it): no block beyond is read, so none is held (was: every block cached under the
+    keys up to the search's reach, past any gap)."""
+    reach = hits.eagle_reach(keys, num_tokens)
+    first = hits.first_full
+    if first is None:
+        return hits.cached_under(keys, reach)
+    maps = hits.block_pool.cached_block_hash_to_block.first
+    hbs = config.hash_block_size
+    gid, size = first
+    cached = maps[gid]
+    run = 0
+    for key in hashes_at_block_size(keys, hbs, size)[: reach // size]:
+        if key not in cached:
+            break
+        run += 1
+    peeks = config.coordinator_kind == "hybrid" and config.profile != VLLM_016
+    out = []
+    for g, spec in enumerate(config.groups):
+        b_size = spec.block_size
+        limit = min(reach, run * size + (b_size if peeks and g != gid else 0)) // b_size
+        get = maps[g].get
+        out.append([b for h in hashes_at_block_size(keys, hbs, b_size)[:limit] if (b := get(h))])
+    return out

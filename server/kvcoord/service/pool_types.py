@@ -159,7 +159,8 @@ class Limits:
     max_pool_memory_bytes: int = 8 << 30
     #: live sessions per tenant (a tenant's max_sessions overrides it)
     max_sessions_per_tenant: int = 10_000
-    #: live ScorePools reservations per tenant (every pool), and their longest life
+    #: live ScorePools reservations per tenant (every pool this server serves: a
+    #: cluster's replica counts its own), and their longest life
     max_reservations_per_tenant: int = 256
     max_reservation_seconds: float = 30.0
 

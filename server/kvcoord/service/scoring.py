@@ -36,7 +36,8 @@ class Reserve:
         seconds: the reservation's time to live.
         may_use: whether the caller holds the use role on a pool.
         max_seconds: the longest time to live allowed.
-        max_per_tenant: live reservations a tenant may hold over every pool.
+        max_per_tenant: live reservations a tenant may hold over every pool of
+            ``pools`` (the pools this server serves: in a cluster, this replica's).
         may_change: raises when the pool may not be changed here now, as for any
             mutating call of it (a cluster's placement check: a pool being handed
             over, whose state was sent to its next owner, is OWNER_CHANGING).

@@ -118,6 +118,11 @@ class PoolRouter:
     read once and again whenever an answer shows them changed (a pool unknown, or one
     not scored for want of a prompt with its settings).
 
+    A client of a cluster's replica set is answered by the first replica, over the
+    pools it serves (a candidate served elsewhere: NotFoundError): give a router of a
+    cluster one client (and one PoolRouter) per replica and merge by
+    :func:`score_rank` (docs/routing.md, "In a cluster").
+
     Args:
         client: the sync client to ask.
     """

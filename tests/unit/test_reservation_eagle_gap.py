@@ -12,9 +12,14 @@ back at the queue's tail, where vLLM's queue never moves an unread block.
 
 from __future__ import annotations
 
+import random
+
+import pytest
 from invariants import check_invariants
 from kvcoord.client.hashing import BlockHasher, none_hash
 from kvcoord.engine import FullAttentionSpec, KVCacheConfig, KVCachePool, SlidingWindowSpec
+from kvcoord.engine.config import ConfigError
+from kvcoord.engine.profiles import VLLM_016, VLLM_033
 
 NONE = none_hash("sha256_cbor", "0")
 
@@ -85,3 +90,66 @@ def test_a_hybrid_eagle_reservation_holds_nothing_past_the_full_attention_gap() 
     check_invariants(pool)
     assert pool.release_reservation("res")
     assert pool.num_free_blocks == free_before
+
+
+_LAYOUTS = [
+    (FullAttentionSpec(4),),
+    (FullAttentionSpec(4), SlidingWindowSpec(4, 8)),
+    (FullAttentionSpec(4), SlidingWindowSpec(4, 16)),
+    (FullAttentionSpec(4), SlidingWindowSpec(8, 16)),
+    (FullAttentionSpec(8), SlidingWindowSpec(4, 8)),
+    (FullAttentionSpec(4), SlidingWindowSpec(16, 32)),
+    (FullAttentionSpec(4), SlidingWindowSpec(4, 8), SlidingWindowSpec(4, 32)),
+    (FullAttentionSpec(4), FullAttentionSpec(4, num_kv_heads=2), SlidingWindowSpec(8, 16)),
+    (SlidingWindowSpec(4, 8),),
+]
+
+
+@pytest.mark.parametrize("profile", [VLLM_016, VLLM_033])
+def test_an_eagle_reservation_holds_every_block_its_hit_depends_on(profile: str) -> None:
+    """Random layouts (both profiles; a vllm-0.33 hybrid's groups peek a block past
+    the full-attention run), prompts cached, then a few cached blocks evicted (gaps):
+    once every free cached block the reservation does not hold is evicted too, the
+    prompt's hit is the one reserved, block for block."""
+    rnd = random.Random(7)
+    checked = 0
+    for _ in range(400):
+        try:
+            config = KVCacheConfig(
+                num_blocks=rnd.randint(30, 80),
+                groups=rnd.choice(_LAYOUTS),
+                hash_block_size=4,
+                enable_caching=True,
+                use_eagle=True,
+                enable_kv_cache_events=False,
+                max_model_len=200,
+                profile=profile,
+            )
+        except ConfigError:  # (a layout the profile does not model with EAGLE)
+            continue
+        pool = KVCachePool(config)
+        base = [rnd.randrange(3) for _ in range(rnd.randint(8, 60))]
+        for j in range(rnd.randint(1, 4)):
+            tokens = base[: rnd.randint(1, len(base))] + [rnd.randrange(3) for _ in range(rnd.randint(0, 10))]
+            rid = f"warm{j}"
+            pool.add_request(rid, tokens, BlockHasher("sha256_cbor", 4, NONE).extend(tokens))
+            if pool.allocate_slots(rid, len(tokens), 0, pool.get_computed_blocks(rid)) is not None:
+                pool.cache_blocks(rid, len(tokens))
+            pool.free(rid)
+        cached = sorted(pool.block_pool.cached_block_hash_to_block.block_ids())
+        pool.evict_blocks(rnd.sample(cached, min(len(cached), rnd.randint(0, 3))))
+        tokens = base + [rnd.randrange(3) for _ in range(rnd.randint(1, 10))]
+        hashes = BlockHasher("sha256_cbor", 4, NONE).extend(tokens)
+        hit = pool.reserve("res", hashes, len(tokens))
+        if not hit.num_tokens:
+            continue
+        held = {b for ids in pool.reservations.live["res"].held for b in ids}
+        blocks = pool.block_pool.blocks
+        pool.evict_blocks(
+            b
+            for b in pool.block_pool.cached_block_hash_to_block.block_ids()
+            if b not in held and not blocks[b].ref_cnt
+        )
+        assert pool.find_longest_cache_hit(hashes, len(tokens)) == hit, (config, tokens)
+        checked += 1
+    assert checked >= 100, checked

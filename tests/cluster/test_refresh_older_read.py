@@ -89,13 +89,6 @@ def _redirected_to_r1(cluster: Cluster) -> None:
     assert err.value.reason is ErrorReason.NOT_OWNER and err.value.owner == "127.0.0.1:1002", err.value
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="Cluster.refresh applies a read begun before the replica registered again, or older than one "
-    "applied (fix: /work/scratch/hunt5/refresh_fix.patch, server/kvcoord/service/cluster_store.py; drop "
-    "this mark with it)",
-)
 @pytest.mark.parametrize("lands", ["before_registering", "after_registering", "after_a_newer_read"])
 def test_a_read_begun_before_the_lease_ended_brings_no_claim_back(
     etcd: Etcd, request: pytest.FixtureRequest, lands: str

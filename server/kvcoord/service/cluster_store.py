@@ -103,6 +103,11 @@ class ClusterStore:
         #: the clock when the store last answered a renewal or a read of the view
         self.answered_at = -float("inf")
         self.lease: Any = None
+        #: the store revision of this replica's registration: a read of the view begun
+        #: before it lists the claims of a lease that ended (the store deleted them)
+        self.registered_at = 0
+        #: the store revision of the newest claims read applied to the view
+        self.read_revision = 0
         self.tasks: list[asyncio.Task[None]] = []
         #: told of every claim this replica gains or loses (metrics)
         self.on_change: list[Callable[[], None]] = []
@@ -213,13 +218,17 @@ class ClusterStore:
             sent = self.clock()
             lease = await self.client.lease(self.lease_seconds)
             tx = self.client.transactions
-            ok, _ = await self.client.transaction(
+            ok, responses = await self.client.transaction(
                 compare=[tx.version(key) == 0],
                 success=[tx.put(key, encode_member(self.me), lease=lease.id)],
                 failure=[],
             )
             if ok:
+                # a claim of this replica in the view now is of a lease that ended (the
+                # new one holds none yet): one a read begun before brought back
+                self.view.lease_lost()
                 self.lease = lease
+                self.registered_at = responses[0].response_put.header.revision
                 self.view.valid_until = sent + lease.ttl
                 logger.info(
                     "replica %s joined cluster %s as %s (lease %d s)",
@@ -270,6 +279,13 @@ class ClusterStore:
         listed = await self.client.get_prefix(self.key("pools"), keys_only=True)
         claims = await self.client.get_prefix(self.key("owners"))
         listed_after = await self.client.get_prefix(self.key("pools"), keys_only=True)
+        if members.header.revision < self.registered_at or claims.header.revision < self.read_revision:
+            # begun before this replica registered again, or older claims than a read
+            # applied already (reads run from several tasks: the watch, the keep-alive,
+            # DeletePool): applying it would bring back an ended lease's claims, or older
+            # claims, and serve a pool another replica holds
+            return
+        self.read_revision = claims.header.revision
         before = set(self.view.owned())
         view = self.view
         view.set_members(_decoded(members, lambda kv: decode_member(kv.value)))

@@ -134,18 +134,8 @@ class FaultInjector(FaultRules, grpc.UnaryUnaryClientInterceptor, grpc.StreamStr
         stream (its per-Step timeout), instead of failing at once.
     """
 
-    def __init__(
-        self,
-        seed: int,
-        *,
-        drop: float = 0.0,
-        delay: float = 0.0,
-        duplicate: float = 0.0,
-        reorder: float = 0.0,
-        methods: Collection[str] = ("Step", "Allocate", "Free"),
-        hold_delayed: bool = False,
-    ) -> None:
-        super().__init__(seed, drop=drop, delay=delay, duplicate=duplicate, reorder=reorder, methods=methods)
+    def __init__(self, seed: int, *, hold_delayed: bool = False, **faults: Any) -> None:
+        super().__init__(seed, **faults)
         self.hold_delayed = hold_delayed
         self._held_messages: list[Any] = []  # (StepStream's)
 

@@ -19,7 +19,7 @@ copies held back are kept per RPC.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -34,17 +34,8 @@ class AsyncFaultInjector(FaultRules, grpc.aio.UnaryUnaryClientInterceptor):  # t
     ``grpc.aio`` unary-unary interceptor. :attr:`on_drop` is called (not awaited) once
     a dropped call was answered by the server, before its caller is told it was lost."""
 
-    def __init__(
-        self,
-        seed: int,
-        *,
-        drop: float = 0.0,
-        delay: float = 0.0,
-        duplicate: float = 0.0,
-        reorder: float = 0.0,
-        methods: Collection[str] = ("Step", "Allocate", "Free"),
-    ) -> None:
-        super().__init__(seed, drop=drop, delay=delay, duplicate=duplicate, reorder=reorder, methods=methods)
+    def __init__(self, seed: int, **faults: Any) -> None:
+        super().__init__(seed, **faults)
         #: RPC path -> its copies held back, to be delivered late
         self._held_per_rpc: dict[str, list[tuple[Any, Any]]] = {}
 

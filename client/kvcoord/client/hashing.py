@@ -281,14 +281,10 @@ class BlockHasher033(BlockHasher):
     only once the L tokens do.
 
     Args:
-        algo: hash algorithm name (see :data:`HASH_ALGORITHMS`).
-        block_size: tokens per hashed block (vLLM's ``hash_block_size``).
-        none: the seed hash, from :func:`none_hash`.
-        lora_name: LoRA adapter name.
+        algo, block_size, none, lora_name, cache_salt, mm_items, prompt_embeds
+            (``keys``): as :class:`BlockHasher`'s (``block_size``: vLLM's
+            ``hash_block_size``; multimodal items not overlapping).
         lora_path: the adapter's path (part of the key since vLLM 0.31).
-        cache_salt: added to the first block's extra keys when non-empty.
-        mm_items: multimodal items, sorted by offset, not overlapping.
-        prompt_embeds: one bytes row per prompt token, when the request has them.
         num_hash_lookahead_tokens: L (1 for EAGLE/MTP with caching and no KV connector).
     """
 
@@ -298,22 +294,16 @@ class BlockHasher033(BlockHasher):
         block_size: int,
         none: bytes,
         *,
-        lora_name: str | None = None,
         lora_path: str | None = None,
-        cache_salt: str | None = None,
-        mm_items: Sequence[MultiModalItem] = (),
-        prompt_embeds: Sequence[bytes] | None = None,
         num_hash_lookahead_tokens: int = 0,
+        **keys: Any,
     ) -> None:
         if num_hash_lookahead_tokens < 0:
             raise ValueError(f"num_hash_lookahead_tokens must be >= 0, got {num_hash_lookahead_tokens}")
-        if lora_name and lora_path is None:
+        if keys.get("lora_name") and lora_path is None:
             raise ValueError("a LoRA's path is part of vLLM 0.33's block hash: pass lora_path")
-        super().__init__(
-            algo, block_size, none, lora_name=lora_name, cache_salt=cache_salt, mm_items=mm_items,
-            prompt_embeds=prompt_embeds,
-        )  # fmt: skip
-        self._lora = ("lora", lora_name, lora_path) if lora_name else None
+        super().__init__(algo, block_size, none, **keys)
+        self._lora = ("lora", self._lora_name, lora_path) if self._lora_name else None
         self._lookahead = num_hash_lookahead_tokens
 
     def _extra_keys(self, start: int, end: int, mm_idx: int) -> tuple[Any, int]:
@@ -359,28 +349,28 @@ def block_hasher(
     block_size: int,
     none: bytes,
     *,
-    lora_name: str | None = None,
     lora_path: str | None = None,
-    cache_salt: str | None = None,
-    mm_items: Sequence[MultiModalItem] = (),
-    prompt_embeds: Sequence[bytes] | None = None,
     num_hash_lookahead_tokens: int = 0,
+    **keys: Any,
 ) -> BlockHasher | BlockHasher033:
-    """The incremental hasher of a request for a pool of ``profile``.
+    """The incremental hasher of a request for a pool of ``profile`` (``keys``: the
+    request's LoRA name, cache salt, multimodal items and prompt embeddings, as
+    :class:`BlockHasher` takes them; ``lora_path`` is read by vllm-0.33 only).
 
     Raises:
         ValueError: an unknown profile, or 0.33-only inputs (lookahead) for vllm-0.16.
     """
     if profile == "vllm-0.33":
         return BlockHasher033(
-            algo, block_size, none, lora_name=lora_name, lora_path=lora_path, cache_salt=cache_salt,
-            mm_items=mm_items, prompt_embeds=prompt_embeds, num_hash_lookahead_tokens=num_hash_lookahead_tokens,
-        )  # fmt: skip
+            algo,
+            block_size,
+            none,
+            lora_path=lora_path,
+            num_hash_lookahead_tokens=num_hash_lookahead_tokens,
+            **keys,
+        )
     if profile != "vllm-0.16":
         raise ValueError(f"unknown profile {profile!r}; choose vllm-0.16 or vllm-0.33")
     if num_hash_lookahead_tokens:
         raise ValueError("lookahead block hashes exist only in the vllm-0.33 profile")
-    return BlockHasher(
-        algo, block_size, none, lora_name=lora_name, cache_salt=cache_salt, mm_items=mm_items,
-        prompt_embeds=prompt_embeds,
-    )  # fmt: skip
+    return BlockHasher(algo, block_size, none, **keys)

@@ -10,6 +10,8 @@ import dataclasses
 import types
 from typing import Any
 
+from kvcoord.wire import config_from_pb
+
 from .vllm033_connector import DeferredFree
 
 __all__ = [
@@ -71,14 +73,9 @@ class Coordinator033:
             )
             for i, g in enumerate(kv_cache_config.kv_cache_groups)
         )
-        cfg = remote.config
-        #: fine-grained (partial) hits: a mamba "align" block larger than the hash block
-        self.enable_partial_hash_hits = cfg.enable_caching and any(
-            g.WhichOneof("spec") == "mamba"
-            and g.mamba.mamba_cache_mode == "align"
-            and g.mamba.block_size > cfg.hash_block_size
-            for g in cfg.groups
-        )
+        #: fine-grained (partial) hits: the engine's rule (a hybrid pool with caching whose
+        #: mamba "align" block is larger than the hash block)
+        self.enable_partial_hash_hits = config_from_pb(remote.config).partial_hash_hits
         self.eagle_group_ids: tuple[int, ...] = ()
         self.num_reprefillable_tokens = 0
 

@@ -81,8 +81,10 @@ class Cluster(ClusterRecovery):
         self.peer_tls: tuple[grpc.ChannelCredentials, list[tuple[str, str]]] | None = None
         #: remove the local copy of a pool (recorded locally, no redirect); set by the server
         self.drop_local: Callable[[str], None] | None = None
-        #: load a pool rebuilt from the store under a new term, and wait until durable
-        self.load_pool: Callable[[dict[str, Any], int], Awaitable[None]] | None = None
+        #: a pool rebuilt from the store made ready to load, off the loop; set by the server
+        self.prepare_pool: Callable[[dict[str, Any] | None, bytes | None], Awaitable[Any]] | None = None
+        #: load a pool made ready under a new term, and wait until durable
+        self.load_pool: Callable[[Any, int], Awaitable[None]] | None = None
         #: a fresh scratch registry whose instance is the given writer (rebuilding)
         self.scratch_registry: Callable[[str], Any] | None = None
         #: pools rebuilt from the store after their owner was gone (metrics, tests)

@@ -86,13 +86,9 @@ class ClusterPlacement(Placement):
         """The cluster stopped (its store client closed): a store call's failure says so."""
         return self.cluster.stopped
 
-    async def adopt(self, pool: str, state: bytes, from_replica: str, claim_revision: int) -> int:
-        """The new owner's side of a handover: load, journal, wait until durable, swap
-        the claim, serve. Nothing is kept when the swap fails. Refused, nothing touched,
-        when this replica holds the pool's claim (a late copy of an earlier call)."""
-        from .registry_state import adopt_leases, adopt_pool
-
-        cluster, registry = self.cluster, self.registry
+    def _refuse_adopting(self, pool: str, from_replica: str, claim_revision: int) -> None:
+        """Raise unless ``pool`` may be adopted here now (placement, claim, stopping)."""
+        cluster = self.cluster
         if not cluster.view.may_adopt(pool, from_replica):
             raise ServiceError(
                 Status.PRECONDITION,
@@ -111,23 +107,46 @@ class ClusterPlacement(Placement):
             )
         if cluster.stopping:
             raise ServiceError(Status.UNAVAILABLE, f"replica {cluster.me.replica_id!r} is leaving")
+
+    async def adopt(self, pool: str, state: bytes, from_replica: str, claim_revision: int) -> int:
+        """The new owner's side of a handover: load, journal, wait until durable, swap
+        the claim, serve. Nothing is kept when the swap fails. Refused, nothing touched,
+        when this replica holds the pool's claim (a late copy of an earlier call).
+
+        The state is decoded and its engine built off the loop (pool_load.py: on the loop
+        a large pool's held it for seconds); meanwhile the pool is not here, and its
+        calls here are sent to its claim's holder, as before (the claim is swapped only
+        once the pool is loaded and durable). Then the rules are checked again and the
+        pool loaded at once."""
+        from .pool_load import loaded_apart
+        from .registry_state import adopt_leases, adopt_pool
+
+        cluster, registry = self.cluster, self.registry
+        self._refuse_adopting(pool, from_replica, claim_revision)
         if pool in cluster.adopting:
             raise ServiceError(Status.ABORTED, f"pool {pool[:200]!r} is being adopted already")
         cluster.adopting.add(pool)
         try:
+            ready = None
             try:
-                value = cbor2.loads(state)
-                service = adopt_pool(registry, value)
-                adopt_leases(service, value)  # (a replay of the journal's adopt record does not)
+                ready = await loaded_apart(state, None, registry.limits.max_tokens_per_request)
+                self._refuse_adopting(pool, from_replica, claim_revision)
+                service = adopt_pool(registry, ready.value, ready.built)
+                adopt_leases(service, ready.value)  # (a replay of the journal's adopt record does not)
+                # records of an earlier instance of this journal the pool holds and this
+                # journal does not (killed between its two commits, the pool rebuilt from the
+                # store by another replica since): held now, for this start and the next
+                brought = registry.positions.brought(service.held)
+                registry.recorder.adopted(ready.value, service, brought, ready.encoded)
             except (ValueError, KeyError, TypeError, cbor2.CBORDecodeError) as exc:
                 raise ServiceError(
                     Status.INVALID,
                     f"the handed-over state of pool {pool[:200]!r} cannot be loaded: {exc}",
                 ) from None
-            # records of an earlier instance of this journal the pool holds and this
-            # journal does not (killed between its two commits, the pool rebuilt from the
-            # store by another replica since): held now, for this start and the next
-            registry.recorder.adopted(value, service, registry.positions.brought(service.held))
+            finally:
+                if ready is not None:
+                    ready.let_go(registry.pools.get(pool))
+                    del ready
             await registry.recorder.durable()
             claim = await _in_call(  # (a swap of unknown outcome: the watch settles the copy here)
                 cluster.take_over(pool, from_replica, claim_revision),

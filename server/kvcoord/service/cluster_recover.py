@@ -1,8 +1,10 @@
 """A pool taken over from the cluster store (``[cluster] journal = "store"``) by the
 replica placement names once its owner is gone: claimed under a new term, rebuilt from
 its journal there on a thread of its own (store_rebuild.py: the replica's keep-alive,
-watch and other pools' calls go on meanwhile), and loaded only while that claim is
-still this replica's: :meth:`ClusterRecovery.recover`, a base of :class:`.cluster.Cluster`.
+watch and other pools' calls go on meanwhile), made ready to load (decoded, its engine
+built) on another (pool_load.py), and loaded only while that claim is still this
+replica's: :meth:`ClusterRecovery.recover`, a base of :class:`.cluster.Cluster`. The pool
+is "moving" throughout: its calls here are told OWNER_CHANGING (retry here).
 
 **The claim after the rebuild.** A rebuild may outlast what it was made for: the
 replica's lease may have ended meanwhile (its keep-alive failed: the claim went with
@@ -37,8 +39,11 @@ class ClusterRecovery(ClusterStore):
     local_pools: Callable[[], Iterable[str]]
     #: removes a pool's copy here (the store has its history)
     drop_local: Callable[[str], None] | None
-    #: loads a rebuilt pool's state under a term
-    load_pool: Callable[[dict[str, Any], int], Awaitable[None]] | None
+    #: a rebuilt pool's state (as a value, or as CBOR) made ready to load, off the loop
+    #: (pool_load.loaded_apart)
+    prepare_pool: Callable[[dict[str, Any] | None, bytes | None], Awaitable[Any]] | None
+    #: loads a rebuilt pool made ready to load under a term
+    load_pool: Callable[[Any, int], Awaitable[None]] | None
     #: a fresh scratch registry whose instance is the given writer (rebuilding)
     scratch_registry: Callable[[str], Any] | None
     #: pools taken over from the store here
@@ -81,10 +86,18 @@ class ClusterRecovery(ClusterStore):
                 logger.warning("pool %s has no journal in the cluster store: removed from the catalog", pool)
                 await self.forget(pool)
                 return False
-            value, old_term, records = rebuilt
-            if self.stopping or not await self._still_held(claim):
+            value, encoded, old_term, records = rebuilt
+            assert self.prepare_pool is not None
+            try:  # (off the loop too: decoding a large pool and building its engine held it for seconds)
+                ready = await self.prepare_pool(value, encoded)
+            except Exception as exc:  # noqa: BLE001 - loud, and the pool stays unserved here
+                await self._given_back(pool, " was rebuilt from the cluster store but cannot be loaded", exc,
+                                       logging.CRITICAL)  # fmt: skip
                 return False
-            await self.load_pool(value, claim.term)
+            if self.stopping or not await self._still_held(claim):
+                ready.let_go(None)  # (its millions of objects freed off the loop)
+                return False
+            await self.load_pool(ready, claim.term)
             self.failovers += 1
             logger.warning(
                 "took pool %s over from the cluster store (term %d after %d; %d records replayed)",

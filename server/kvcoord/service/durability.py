@@ -80,7 +80,7 @@ from typing import TYPE_CHECKING, Any
 
 import cbor2
 
-from .journal_cbor import record_bytes
+from .journal_cbor import Encoded, record_bytes
 from .pool_service import ABANDONED, ABANDONED_PAST_RESERVATIONS
 from .sessions import attach_tail
 
@@ -155,13 +155,18 @@ class Recorder:
         the one it begins (positions.py)."""
 
     def adopted(
-        self, value: dict[str, Any], service: PoolService, ends: dict[str, int] | None = None
+        self,
+        value: dict[str, Any],
+        service: PoolService,
+        ends: dict[str, int] | None = None,
+        encoded: bytes | None = None,
     ) -> None:
         """A pool handed over by another replica (registry_state.dump_pool's value),
         loaded here as ``service``: its events are watchers' once the record is durable.
         ``ends``: earlier instances of this journal whose records the pool brought up to
         there (rebuilt from the cluster store, here or before a handover: positions.py,
-        JournalPositions.brought)."""
+        JournalPositions.brought). ``encoded``: ``value``'s CBOR, journaled as it is
+        (encoding a large pool's value held the loop: pool_load.py)."""
 
     def term_changed(self, service: PoolService) -> None:
         """The pool's ownership term (its fence's) changed."""
@@ -448,12 +453,17 @@ class JournalRecorder(Recorder):
         self._append("restored", list(settled), generation)
 
     def adopted(
-        self, value: dict[str, Any], service: PoolService, ends: dict[str, int] | None = None
+        self,
+        value: dict[str, Any],
+        service: PoolService,
+        ends: dict[str, int] | None = None,
+        encoded: bytes | None = None,
     ) -> None:
+        field: object = value if encoded is None else Encoded(encoded)
         if ends:
-            self._append("adopt", value, ends, service=service)
+            self._append("adopt", field, ends, service=service)
         else:
-            self._append("adopt", value, service=service)
+            self._append("adopt", field, service=service)
 
     def term_changed(self, service: PoolService) -> None:
         self._append("term", service.name, service.fence.term)

@@ -457,6 +457,25 @@ class PoolService:
         """The engine's state as plain values (snapshots: recovery.py)."""
         return export_state(self.engine)
 
-    def import_state(self, value: dict[str, Any]) -> None:
-        """Replace the engine by one rebuilt from :meth:`export_state`'s value."""
-        self.engine = import_state(self.config, value)
+    def import_state(self, value: dict[str, Any], built: object = None) -> None:
+        """Replace the engine by one rebuilt from :meth:`export_state`'s value, or by
+        ``built`` (:func:`engine_of` that value, off the loop: pool_load.py) when it was
+        made for this pool's config."""
+        ok = isinstance(built, KVCachePool) and built.config == self.config
+        self.engine = built if ok else import_state(self.config, value)  # type: ignore[assignment]
+
+    def runs(self, built: object) -> bool:
+        """Whether this pool's engine is ``built`` (:func:`engine_of`)."""
+        return self.engine is built
+
+
+def engine_of(config: KVCacheConfig, value: dict[str, Any]) -> object:
+    """An engine of ``config`` in :meth:`PoolService.export_state`'s ``value``, built
+    apart from any pool (see :meth:`PoolService.import_state`)."""
+    return import_state(config, value)
+
+
+def engine_released(built: object) -> Iterator[None]:
+    """Free an engine of :func:`engine_of` no pool runs, a slice at a time."""
+    assert isinstance(built, KVCachePool)
+    return built.teardown()

@@ -24,6 +24,7 @@ __all__ = [
     "SNAPSHOT_FORMAT",
     "adopt_pool",
     "apply_limits",
+    "check_format",
     "dump_pool",
     "dump_state",
     "journaled_limits",
@@ -118,15 +119,20 @@ def load_state(
     return str(state["writer"])
 
 
-def load_pools(registry: PoolRegistry, pools: list[dict[str, Any]], sessions: list[Any]) -> list[PoolService]:
-    """Create ``pools`` (values of :func:`pool_value`) with their ``sessions``."""
+def load_pools(
+    registry: PoolRegistry, pools: list[dict[str, Any]], sessions: list[Any], built: object = None
+) -> list[PoolService]:
+    """Create ``pools`` (values of :func:`pool_value`) with their ``sessions``.
+    ``built``: the first pool's engine, built from its value already (pool_load.py),
+    taken when made for the config the pool is created with (else built here)."""
     services = {}
     for p in pools:
         held = _held(p.get("held"))
         service, _ = registry.create(
             p["name"], pb.PoolConfig.FromString(p["config"]), p["incarnation"], p["created_at"]
         )
-        service.import_state(p["engine"])
+        service.import_state(p["engine"], built)
+        built = None
         service.held = held
         if p.get("term"):
             service.fence = dataclasses.replace(service.fence, term=int(p["term"]))
@@ -196,24 +202,33 @@ def dump_pool(registry: PoolRegistry, name: str, leases: bool = False) -> dict[s
     }
 
 
-def adopt_pool(registry: PoolRegistry, value: dict[str, Any]) -> PoolService:
-    """Load a pool :func:`dump_pool` made on another replica into ``registry``
-    (recording nothing: the caller journals it). A copy of the pool already here (a
-    stale one, from an earlier handover that did not complete) is replaced.
-
-    Raises:
-        ValueError: another format or engine state version.
-    """
+def check_format(value: Any) -> None:
+    """Raises ValueError unless ``value`` is a pool (:func:`dump_pool`) in the format and
+    engine state version this kvcoord reads."""
+    if not isinstance(value, dict):
+        raise ValueError(f"a handed-over pool is a map, not {type(value).__name__}")
     if value.get("format") != SNAPSHOT_FORMAT or value.get("state_version") != STATE_VERSION:
         raise ValueError(
             f"a handed-over pool in format {value.get('format')!r}/state {value.get('state_version')!r}, "
             f"this kvcoord reads {SNAPSHOT_FORMAT}/state {STATE_VERSION}: run one version across the cluster"
         )
+
+
+def adopt_pool(registry: PoolRegistry, value: dict[str, Any], built: object = None) -> PoolService:
+    """Load a pool :func:`dump_pool` made on another replica into ``registry``
+    (recording nothing: the caller journals it). A copy of the pool already here (a
+    stale one, from an earlier handover that did not complete) is replaced.
+    ``built``: its engine built already (off the loop: pool_load.py).
+
+    Raises:
+        ValueError: another format or engine state version.
+    """
+    check_format(value)
     name = value["pool"]["name"]
     if name in registry.pools:
         registry.remove(name)
     registry.lineage.update(value["lineage"])
-    (service,) = load_pools(registry, [value["pool"]], value["sessions"])
+    (service,) = load_pools(registry, [value["pool"]], value["sessions"], built)
     registry.idempotency.restore([tuple(e) for e in value["idempotency"]])
     registry.idempotency.restore_sequences(value.get("idempotency_sequences"))
     for s in registry.sessions.of_pool(name):

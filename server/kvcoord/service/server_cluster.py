@@ -8,6 +8,7 @@ import asyncio
 import logging
 import socket
 from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 import cbor2
 import grpc
@@ -20,6 +21,7 @@ from .config import ClusterSettings, ServerConfig
 from .idempotency import IdempotencyStore
 from .lease_clock import LeaseClock
 from .ownership import Member
+from .pool_load import PoolLoad, loaded_apart
 from .registry import PoolRegistry
 from .registry_state import adopt_pool, dump_pool, journaled_limits
 from .servicer import AllocatorServicer
@@ -150,12 +152,19 @@ def store_journal(
             task = asyncio.get_running_loop().create_task(cluster.release(pool))
             task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
-    async def load(value: dict[str, object], term: int) -> None:
-        service = adopt_pool(registry, value)
-        # records of an earlier instance of this journal the store held and it did not
-        # (killed between the two commits): held now, for this start and the next
-        registry.recorder.adopted(value, service, registry.positions.brought(service.held))
-        name = str(value["pool"]["name"])  # type: ignore[index]
+    def prepare(value: dict[str, Any] | None, encoded: bytes | None) -> Awaitable[PoolLoad]:
+        return loaded_apart(encoded, value, registry.limits.max_tokens_per_request)
+
+    async def load(ready: PoolLoad, term: int) -> None:
+        name = str(ready.value["pool"]["name"])
+        try:
+            service = adopt_pool(registry, ready.value, ready.built)
+            # records of an earlier instance of this journal the store held and it did not
+            # (killed between the two commits): held now, for this start and the next
+            brought = registry.positions.brought(service.held)
+            registry.recorder.adopted(ready.value, service, brought, ready.encoded)
+        finally:
+            ready.let_go(registry.pools.get(name))
         registry.set_term(name, term)
         servicer.observer.pool_created(registry.pools[name])
         await registry.recorder.durable()
@@ -179,6 +188,7 @@ def store_journal(
     recorder.attach_streams(streams, base)
     cluster.streams = streams
     cluster.drop_local = drop
+    cluster.prepare_pool = prepare
     cluster.load_pool = load
     cluster.scratch_registry = scratch
 

@@ -27,7 +27,6 @@ the loop sees nothing of it before it is whole. A rebuild whose waiter is cancel
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 from collections.abc import Callable
@@ -39,6 +38,9 @@ __all__ = ["HELD_WRITERS", "RebuildStopped", "rebuild", "rebuilt_apart", "stream
 
 #: what :func:`rebuild` returns: the pool's state, the term and the records replayed
 Rebuilt = tuple[dict[str, Any], int, int]
+#: what :func:`rebuilt_apart` returns: the pool's state as a value (rebuilt on a thread)
+#: or as its CBOR (in a forked child), the term and the records replayed
+RebuiltApart = tuple[dict[str, Any] | None, bytes | None, int, int]
 
 #: the most writers whose last records a pool keeps (``PoolService.held``; the one
 #: added first goes first): a replica restarted daily rebuilds its pools each time and
@@ -140,16 +142,20 @@ def rebuild(
 
 async def rebuilt_apart(
     rows: Any, pool_prefix: bytes, make_registry: Callable[[str], Any], pool: str
-) -> Rebuilt | None:
+) -> RebuiltApart | None:
     """:func:`rebuild` of :func:`stream_rows` of ``rows`` in a forked child, else on a
     thread of its own (see the module docstring); the loop goes on meanwhile.
-    ``make_registry`` is called there. A cancellation of the caller stops it.
+    ``make_registry`` is called there. A cancellation of the caller stops it. The
+    state comes back as the child encoded it (decoding it is pool_load.py's, off the
+    loop too: ``cbor2.loads`` of a large pool held the loop for seconds), or as the
+    thread made it.
 
     Raises:
         ValueError: as :func:`rebuild` (and a record that is not CBOR); in a child,
             anything the rebuild raised, named in the message.
         ExportError: the child failed or was killed (state_export.py).
     """
+    from .pool_load import on_thread
     from .state_export import collect, started_apart
 
     stop = threading.Event()
@@ -160,50 +166,26 @@ async def rebuilt_apart(
     forked = started_apart(lambda: _outcome(work))
     try:
         if forked is not None:
-            kind, *got = cbor2.loads(await collect(*forked))
+            kind, *got = cbor2.loads(await collect(*forked))  # (the state inside is one bytes string)
             if kind == "failed":
                 raise ValueError(got[0])
-            return None if got[0] is None else (got[0][0], int(got[0][1]), int(got[0][2]))
-        return await _on_thread(work)
+            return None if got[0] is None else (None, bytes(got[0][0]), int(got[0][1]), int(got[0][2]))
+        rebuilt = await on_thread(work, "kvcoord-rebuild")
+        return None if rebuilt is None else (rebuilt[0], None, rebuilt[1], rebuilt[2])
     finally:
         stop.set()  # (done: changes nothing; cancelled: the thread ends at its next record)
 
 
 def _outcome(work: Callable[[], Rebuilt | None]) -> bytes:
-    """In the forked child: ``work()``'s outcome as CBOR (or what it raised, named).
-    It logs nothing: its registry is a scratch one, and the parent's log handlers may
-    write to descriptors the child closed (durability.leave_parent)."""
+    """In the forked child: ``work()``'s outcome as CBOR, the state encoded apart (a
+    bytes string in it), or what it raised, named. It logs nothing: its registry is a
+    scratch one, and the parent's log handlers may write to descriptors the child
+    closed (durability.leave_parent)."""
     logging.disable(logging.CRITICAL)
     try:
-        return cbor2.dumps(["rebuilt", work()])
+        rebuilt = work()
+        if rebuilt is None:
+            return cbor2.dumps(["rebuilt", None])
+        return cbor2.dumps(["rebuilt", [cbor2.dumps(rebuilt[0]), rebuilt[1], rebuilt[2]]])
     except Exception as exc:  # noqa: BLE001 - a journal that cannot be replayed: logged by the parent
         return cbor2.dumps(["failed", f"{type(exc).__name__}: {exc}"])
-
-
-async def _on_thread(work: Callable[[], Rebuilt | None]) -> Rebuilt | None:
-    """``work()`` on a daemon thread of its own, awaited."""
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future[Rebuilt | None] = loop.create_future()
-
-    def settle(value: Rebuilt | None, exc: BaseException | None) -> None:
-        if done.done():  # (cancelled: nobody waits)
-            return
-        if exc is None:
-            done.set_result(value)
-        else:
-            done.set_exception(exc)
-
-    def run() -> None:
-        value: Rebuilt | None = None
-        failed: BaseException | None = None
-        try:
-            value = work()
-        except BaseException as exc:  # noqa: BLE001 - raised to the waiter
-            failed = exc
-        try:
-            loop.call_soon_threadsafe(settle, value, failed)
-        except RuntimeError:  # the loop is closed: nobody waits
-            pass
-
-    threading.Thread(target=run, name="kvcoord-rebuild", daemon=True).start()
-    return await done

@@ -7,7 +7,7 @@ for managers that free by the base rule).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from .errors import FailedPreconditionError, InvalidArgumentError, RequestNotFoundError
 from .extra_keys import ExtraKeySources
@@ -345,7 +345,9 @@ class PoolRequests(PoolParts):
         self._get(request_id)
         self._drop_uncomputed(request_id, uncomputed_from)
 
-    def free_abandoned(self, request_id: str, drop_reserved: bool = True) -> None:
+    def free_abandoned(
+        self, request_id: str, drop_reserved: bool = True, reserved: Mapping[int, int] | None = None
+    ) -> None:
         """Free a request its worker abandoned (its session ended holding it: a detach,
         a lease that ran out, a restored server's void sessions), whose KV may never
         have been written where the pool's cache says: its last allocation cached the
@@ -366,12 +368,19 @@ class PoolRequests(PoolParts):
         reservation's request gets a shorter hit), never a block: block ids and free
         counts are as :meth:`free` leaves them.
 
+        ``reserved``: the reservations' :meth:`held_blocks` as they are now, computed by
+        a caller freeing several requests at once (a session's end: computed here per
+        request, it cost every request a pass over every reservation's blocks).
+
         Raises:
             RequestNotFoundError: unknown request.
         """
         self._get(request_id)
         null = self.block_pool.null_block
-        reserved = self.reservations.held_blocks() if drop_reserved and self.reservations.live else {}
+        if not drop_reserved:
+            reserved = {}
+        elif reserved is None:
+            reserved = self.reservations.held_blocks() if self.reservations.live else {}
         # (no live request holds a block evicted here once it is freed: the invariants
         # stay whole, unlike after evict_blocks)
         self.block_pool.evict_blocks([

@@ -23,8 +23,7 @@ made for a failed operation is undone)."""
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import cbor2
@@ -332,11 +331,19 @@ class PoolService:
         copy-on-write pairs it did not release end with it."""
         self.sessions.close(s.session_id)
         owned = list(s.owned)
-        free: Callable[[str], None] = self.engine.free
-        if abandon:
-            free = functools.partial(self.engine.free_abandoned, drop_reserved=abandon != ABANDONED)
+        engine = self.engine
+        drop = abandon != ABANDONED
+        # the blocks reservations hold, read once per slice (the pool is held: nothing
+        # else changes them); was: read again for every request freed, a pass over every
+        # reservation's blocks each time
+        reserved: dict[int, int] | None = None
         for k, rid in enumerate(owned, 1):
-            free(rid)
+            if not abandon:
+                engine.free(rid)
+            else:
+                if reserved is None:
+                    reserved = engine.reservations.held_blocks() if drop and engine.reservations.live else {}
+                engine.free_abandoned(rid, drop_reserved=drop, reserved=reserved)
             del self.owners[rid]
             if every and not k % every:
                 # each slice's events (a BlockRemoved per cached block an abandoned
@@ -344,6 +351,7 @@ class PoolService:
                 # slice, a million of them held the loop ~250 ms
                 self.event_feed.publish()
                 yield
+                reserved = None
         s.owned.clear()
         if self.config.partial_hash_hits:
             self.engine.drop_block_copies()

@@ -85,9 +85,14 @@ static PyObject *kvmark_start(PyObject *self, PyObject *unused) {
     CALLGRIND_ZERO_STATS;
     Py_RETURN_NONE;
 }
+static PyObject *kvmark_stop(PyObject *self, PyObject *unused) {
+    CALLGRIND_STOP_INSTRUMENTATION;
+    Py_RETURN_NONE;
+}
 static PyMethodDef methods[] = {
 %(table)s
     {"start", kvmark_start, METH_NOARGS, NULL},
+    {"stop", kvmark_stop, METH_NOARGS, NULL},
     {NULL, NULL, 0, NULL}
 };
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "kvmark", NULL, -1, methods};
@@ -219,6 +224,9 @@ def child(
 
     run(sched, running, warmup + steps, seed=running, counter=None, between=between, model_s=model_ms / 1e3)
     on = False
+    # (every thread's counts end with the measured steps: the shutdown's are not theirs;
+    # the last step's Step was sent and answered inside its model run)
+    kvmark.stop()
     if side != "vllm":
         sched.shutdown()
     print("KVMARK " + json.dumps({"calls": calls, "wrong": wrong}), flush=True)
@@ -270,6 +278,15 @@ def inclusive_events(path: Path) -> tuple[list[str], dict[str, list[int]]]:
     return events, totals
 
 
+def thread_totals(path: Path) -> list[int]:
+    """A callgrind output file's ``totals:`` line (one count per event: the whole thread)."""
+    with path.open() as f:
+        for line in f:
+            if line.startswith("totals:"):
+                return [int(v) for v in line.split()[1:]]
+    return []
+
+
 def run_side(side: str, args: argparse.Namespace, marks: Path, tmp: Path) -> dict[str, Any]:
     sys.path[:0] = [str(ROOT / "client"), str(ROOT / "server")]
     from kvcoord.client.testing import start_server
@@ -286,7 +303,8 @@ def run_side(side: str, args: argparse.Namespace, marks: Path, tmp: Path) -> dic
         env.update(KVCOORD_TARGET=server.address, KVCOORD_PREDICT="1", KVCOORD_POOL="bench-calls")
     out = tmp / f"callgrind.{side}.out"
     cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}",
-           *(["--cache-sim=yes"] if args.cache_sim else []), *args.valgrind_arg,
+           *(["--cache-sim=yes"] if args.cache_sim else []),
+           *(["--separate-threads=yes"] if args.threads else []), *args.valgrind_arg,
            sys.executable, str(Path(__file__).resolve()), "--child", side, "--running", str(args.running),
            "--warmup", str(args.warmup), "--steps", str(args.steps), "--marks", str(marks),
            "--detail", args.detail, "--model-ms", str(args.model_ms), "--model-touch-mb", str(args.model_touch_mb),
@@ -302,6 +320,12 @@ def run_side(side: str, args: argparse.Namespace, marks: Path, tmp: Path) -> dic
             f"{side}: valgrind run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
         )
     info = json.loads(line[len("KVMARK ") :])
+    if args.threads:
+        # one file per thread: the marks (the scheduler's calls) are thread 1's; every
+        # other thread's totals are work done beside them in the measured steps
+        files = sorted(tmp.glob(f"callgrind.{side}.out-*"))
+        info["threads"] = {f.name.rsplit("-", 1)[1]: thread_totals(f) for f in files}
+        out = tmp / f"callgrind.{side}.out-01"
     events, totals = inclusive_events(out)
     info["ir"] = {k[len("kvmark_") :]: v[0] for k, v in totals.items()}
     info["events"] = events
@@ -355,6 +379,14 @@ def main() -> None:
         help="one more valgrind option (repeatable), e.g. --valgrind-arg=--toggle-collect=kvmark_update_from_output "
         "to keep only that call's costs, per C function, for callgrind_annotate (the output file is printed)",
     )
+    ap.add_argument(
+        "--threads",
+        action="store_true",
+        help="one valgrind output per thread (--separate-threads=yes): the calls are counted on the "
+        "scheduler's thread as without it, and each other thread's whole work in the measured steps is "
+        "printed per step (with --cache-sim: the lines it brings into the one cache valgrind simulates "
+        "for all of a process's threads, as if they ran on the scheduler's core)",
+    )
     ap.add_argument("--child", choices=["vllm", "kvcoord"], help=argparse.SUPPRESS)
     ap.add_argument("--marks", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -401,8 +433,28 @@ def main() -> None:
         print(row)
     if args.cache_sim:
         print_misses(got, sides, [d for d in args.detail.split(",") if d])
+    if args.threads:
+        print_threads(got, sides, args.steps)
     for s in sides:
         print(f"{s}: allocations told wrongly inside/taking: {got[s]['wrong']}")
+
+
+def print_threads(got: dict[str, Any], sides: list[str], steps: int) -> None:
+    """Per thread, per measured step: instructions and (with ``--cache-sim``)
+    last-level misses, the scheduler's thread (1) first (``--threads``)."""
+    print("per thread, a measured step: Ir, LL misses (ILmr+DLmr+DLmw; 1: the scheduler's thread)")
+    for s in sides:
+        ev = got[s]["events"]
+        others_ir = others_ll = 0.0
+        for tid, v in sorted(got[s]["threads"].items()):
+            row = dict(zip(ev, v, strict=False))
+            ir = row.get("Ir", 0) / steps
+            ll = sum(row.get(x, 0) for x in ("ILmr", "DLmr", "DLmw")) / steps
+            if tid != "01":
+                others_ir, others_ll = others_ir + ir, others_ll + ll
+            if ir >= 1000:
+                print(f"{s:>8} thread {int(tid):>3}{ir:>14.0f}{ll:>10.0f}")
+        print(f"{s:>8} others    {others_ir:>14.0f}{others_ll:>10.0f}")
 
 
 def print_misses(got: dict[str, Any], sides: list[str], detail: list[str]) -> None:

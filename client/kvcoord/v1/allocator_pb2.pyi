@@ -1581,3 +1581,11 @@ class AdoptPoolResponse(_message.Message):
     TERM_FIELD_NUMBER: _ClassVar[int]
     term: int
     def __init__(self, term: _Optional[int] = ...) -> None: ...
+
+class ScoreForTenantRequest(_message.Message):
+    __slots__ = ("tenant", "request")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    request: ScorePoolsRequest
+    def __init__(self, tenant: _Optional[str] = ..., request: _Optional[_Union[ScorePoolsRequest, _Mapping]] = ...) -> None: ...

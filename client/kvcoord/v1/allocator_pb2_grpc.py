@@ -307,6 +307,12 @@ class AllocatorServicer:
         no LRU order, statistic or event changes, and no session is needed. Needs the
         observe role on every pool named in candidate_pools; without candidates, every
         pool the caller may observe is scored (pools it may not observe are never named).
+        In a cluster the replica reached answers for every pool of the cluster: it scores
+        its own and asks each other owner for its pools (Replicas.ScoreForTenant, in
+        parallel, at most 2 s and half the call's remaining deadline); a pool whose owner
+        does not answer in time, or that no live replica serves at the moment, is
+        unscored (OWNER_UNREACHABLE), never left out. A reservation is made on the best
+        pool's owner. A replica cut off from the cluster store answers UNAVAILABLE.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -961,6 +967,11 @@ class ReplicasStub:
                 request_serializer=kvcoord_dot_v1_dot_allocator__pb2.AdoptPoolRequest.SerializeToString,
                 response_deserializer=kvcoord_dot_v1_dot_allocator__pb2.AdoptPoolResponse.FromString,
                 _registered_method=True)
+        self.ScoreForTenant = channel.unary_unary(
+                '/kvcoord.v1.Replicas/ScoreForTenant',
+                request_serializer=kvcoord_dot_v1_dot_allocator__pb2.ScoreForTenantRequest.SerializeToString,
+                response_deserializer=kvcoord_dot_v1_dot_allocator__pb2.ScorePoolsResponse.FromString,
+                _registered_method=True)
 
 
 class ReplicasServicer:
@@ -987,6 +998,19 @@ class ReplicasServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ScoreForTenant(self, request, context):
+        """A replica answering a ScorePools call asks each other pool owner for its part:
+        `request` scored for `tenant` (its roles and cache namespace, as configured on the
+        callee) over the callee's own pools, never asked onward. Candidates the callee does
+        not serve (moved meanwhile) are unscored, OWNER_UNREACHABLE; with reserve_seconds
+        (the caller's single best pool as the only candidate, under the caller's
+        idempotency key) the reservation is made and journaled here. Needs full access
+        (a token of server.auth_tokens); errors as ScorePools'.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ReplicasServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -994,6 +1018,11 @@ def add_ReplicasServicer_to_server(servicer, server):
                     servicer.AdoptPool,
                     request_deserializer=kvcoord_dot_v1_dot_allocator__pb2.AdoptPoolRequest.FromString,
                     response_serializer=kvcoord_dot_v1_dot_allocator__pb2.AdoptPoolResponse.SerializeToString,
+            ),
+            'ScoreForTenant': grpc.unary_unary_rpc_method_handler(
+                    servicer.ScoreForTenant,
+                    request_deserializer=kvcoord_dot_v1_dot_allocator__pb2.ScoreForTenantRequest.FromString,
+                    response_serializer=kvcoord_dot_v1_dot_allocator__pb2.ScorePoolsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1027,6 +1056,33 @@ class Replicas:
             '/kvcoord.v1.Replicas/AdoptPool',
             kvcoord_dot_v1_dot_allocator__pb2.AdoptPoolRequest.SerializeToString,
             kvcoord_dot_v1_dot_allocator__pb2.AdoptPoolResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ScoreForTenant(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvcoord.v1.Replicas/ScoreForTenant',
+            kvcoord_dot_v1_dot_allocator__pb2.ScoreForTenantRequest.SerializeToString,
+            kvcoord_dot_v1_dot_allocator__pb2.ScorePoolsResponse.FromString,
             options,
             channel_credentials,
             insecure,

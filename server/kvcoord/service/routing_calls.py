@@ -3,15 +3,20 @@ under its idempotency key without a journal record), and the expiry of reservati
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import grpc
 from kvcoord.v1 import allocator_pb2 as pb
 
-from .access import Role, current_tenant
+from .access import Role, Tenant, current_tenant
 from .errors import map_errors
 from .idempotency import score_key_owner
 from .score_wire import prompts_from_pb, reservation_to_pb, scores_to_pb
 from .scoring import Reserve, score_pools
 from .servicer_core import ServicerCore
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .score_peers import ClusterScores
 
 __all__ = ["RoutingCalls"]
 
@@ -19,13 +24,55 @@ __all__ = ["RoutingCalls"]
 class RoutingCalls(ServicerCore):
     """ScorePools and the expiry of its reservations."""
 
+    #: a cluster replica's fan-out over the other owners (server_cluster.py; None: a single node)
+    score_peers: ClusterScores | None = None
+
     @map_errors
     async def ScorePools(
         self, request: pb.ScorePoolsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ScorePoolsResponse | bytes:
         """Scores, best first; without block ids or a reservation, as the encoded bytes
-        of the answer (:class:`~kvcoord.service.score_wire.ScoreEncoder`)."""
+        of the answer (:class:`~kvcoord.service.score_wire.ScoreEncoder`). A cluster
+        replica answers for every pool of the cluster (:mod:`.score_peers`)."""
         tenant = current_tenant()
+        peers = self.score_peers
+        if peers is None:
+            return await self._score_here(tenant, request)
+        plan = peers.plan(tenant, list(request.candidate_pools))
+        _, remote, lost = plan
+        if not remote and not lost:  # every pool is here: as a single node
+            return await self._score_here(tenant, request)
+        digest = b""
+        if request.reserve_seconds and request.idempotency_key:
+            digest, kept = self.mutations.kept_unjournaled(
+                score_key_owner(tenant.name), "ScorePools", request, pb.ScorePoolsResponse
+            )
+            if kept is not None:  # a retry: the first answer, nothing reserved again
+                return await self._durable(kept)
+        response = await peers.score(
+            tenant,
+            request,
+            plan,
+            self.score_here,
+            context.time_remaining(),
+        )
+        if digest and response.HasField("reservation"):
+            self.mutations.keep_unjournaled(
+                score_key_owner(tenant.name), "ScorePools", request, digest, response
+            )
+        return await self._durable(response)
+
+    async def score_here(self, tenant: Tenant, request: pb.ScorePoolsRequest) -> pb.ScorePoolsResponse:
+        """ScorePools for ``tenant`` over the pools this server serves, as a message
+        (a cluster's fan-out: :mod:`.score_peers`)."""
+        answer = await self._score_here(tenant, request, message=True)
+        assert isinstance(answer, pb.ScorePoolsResponse)
+        return answer
+
+    async def _score_here(
+        self, tenant: Tenant, request: pb.ScorePoolsRequest, message: bool = False
+    ) -> pb.ScorePoolsResponse | bytes:
+        """ScorePools over the pools this server serves (``message``: never as bytes)."""
         limits = self.registry.limits
         reserve = None
         digest = b""  # a reserving call's key's digest (none: no key)
@@ -55,7 +102,7 @@ class RoutingCalls(ServicerCore):
             # hit lengths alone through the cross-pool index unless block ids are asked for
             None if request.include_block_ids else self.registry.score_index,
         )
-        if reserve is None and not request.include_block_ids:
+        if reserve is None and not request.include_block_ids and not message:
             # a router's usual call: the answer's bytes joined from parts kept per pool
             # (add_servicer sends them as they are)
             return self._score_encoder.encode(scores.scores, scores.unscored)

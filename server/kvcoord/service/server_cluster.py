@@ -16,7 +16,7 @@ from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
 
 from .access import AccessControl
 from .cluster import Cluster, ClusterError
-from .cluster_placement import ClusterPlacement, ReplicasServicer, store_failed
+from .cluster_placement import ClusterPlacement, store_failed
 from .config import ClusterSettings, ServerConfig
 from .idempotency import IdempotencyStore
 from .lease_clock import LeaseClock
@@ -24,6 +24,7 @@ from .ownership import Member
 from .pool_load import PoolLoad, loaded_apart
 from .registry import PoolRegistry
 from .registry_state import adopt_pool, dump_pool, journaled_limits
+from .score_peers import ClusterScores, ScoringReplicas
 from .servicer import AllocatorServicer
 from .sessions import SessionTable
 from .state_export import apart, encode_started, pool_encoded
@@ -98,8 +99,14 @@ def cluster_of(
         raise ClusterError(str(exc)) from None
     placement = ClusterPlacement(cluster, registry)
     registry.placement = placement
-    peers = ReplicasServicer(
-        placement, access, lambda pool: servicer.observer.pool_created(registry.pools[pool])
+    # ScorePools answers for every pool of the cluster: each other owner is asked for its part
+    servicer.score_peers = ClusterScores(cluster, access, lambda: list(registry.served()))
+    peers = ScoringReplicas(
+        placement,
+        access,
+        lambda pool: servicer.observer.pool_created(registry.pools[pool]),
+        lambda: list(registry.served()),
+        servicer.score_here,
     )
     pb_grpc.add_ReplicasServicer_to_server(peers, server)
     return cluster

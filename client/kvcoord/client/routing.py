@@ -15,7 +15,8 @@ The policy :func:`choose_pool` applies, and the order ScorePools answers in:
 3. then the pool name, so the choice is deterministic.
 
 A pool that cannot take the prompt (ScorePoolsResponse.unscored: its max_model_len is
-shorter, or no prompt was hashed with its settings) is never chosen.
+shorter, no prompt was hashed with its settings, or in a cluster its owner did not
+answer in time) is never chosen.
 
 Example::
 
@@ -118,10 +119,10 @@ class PoolRouter:
     read once and again whenever an answer shows them changed (a pool unknown, or one
     not scored for want of a prompt with its settings).
 
-    A client of a cluster's replica set is answered by the first replica, over the
-    pools it serves (a candidate served elsewhere: NotFoundError): give a router of a
-    cluster one client (and one PoolRouter) per replica and merge by
-    :func:`score_rank` (docs/routing.md, "In a cluster").
+    A client of a cluster's replica set is answered by the first replica for every
+    pool of the cluster (it asks the other owners for theirs; a pool whose owner does
+    not answer in time is unscored, ``OWNER_UNREACHABLE``), and a reservation is made
+    on the best pool's owner (docs/routing.md, "In a cluster").
 
     Args:
         client: the sync client to ask.

@@ -3,12 +3,14 @@ under its idempotency key without a journal record), and the expiry of reservati
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import grpc
 from kvcoord.v1 import allocator_pb2 as pb
 
 from .access import Role, Tenant, current_tenant
+from .durability import Recorder
 from .errors import map_errors
 from .idempotency import score_key_owner
 from .score_wire import prompts_from_pb, reservation_to_pb, scores_to_pb
@@ -19,6 +21,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from .score_peers import ClusterScores
 
 __all__ = ["RoutingCalls"]
+
+#: a call's journal record, written before its answer waits until durable (None: none)
+Record = Callable[[Recorder], None] | None
 
 
 class RoutingCalls(ServicerCore):
@@ -49,30 +54,49 @@ class RoutingCalls(ServicerCore):
             )
             if kept is not None:  # a retry: the first answer, nothing reserved again
                 return await self._durable(kept)
-        response = await peers.score(
-            tenant,
-            request,
-            plan,
-            self.score_here,
-            context.time_remaining(),
+        response, record = await peers.score(
+            tenant, request, plan, self.scored_here, context.time_remaining()
         )
         if digest and response.HasField("reservation"):
+            # kept before the wait (as a single node's): a retry after a cancel or a
+            # lost answer gets this reservation, never a second one
             self.mutations.keep_unjournaled(
                 score_key_owner(tenant.name), "ScorePools", request, digest, response
             )
-        return await self._durable(response)
+        return await self._durable(response, record)
 
     async def score_here(self, tenant: Tenant, request: pb.ScorePoolsRequest) -> pb.ScorePoolsResponse:
-        """ScorePools for ``tenant`` over the pools this server serves, as a message
-        (a cluster's fan-out: :mod:`.score_peers`)."""
-        answer = await self._score_here(tenant, request, message=True)
+        """ScorePools for ``tenant`` over the pools this server serves, as a message,
+        answered once durable (an owner's part of a cluster's call: :mod:`.score_peers`)."""
+        answer, durable, record = self._scored_here(tenant, request, True)
         assert isinstance(answer, pb.ScorePoolsResponse)
-        return answer
+        return await self._durable(answer, record) if durable else answer
+
+    def scored_here(
+        self, tenant: Tenant, request: pb.ScorePoolsRequest
+    ) -> tuple[pb.ScorePoolsResponse, Record]:
+        """:meth:`score_here` without its wait: the answer and its reservation's journal
+        record (``None``: none), for the caller to answer with once durable (the
+        receiving replica's own part of a cluster's call, unkeyed: it keeps the answer)."""
+        answer, _, record = self._scored_here(tenant, request, True)
+        assert isinstance(answer, pb.ScorePoolsResponse)
+        return answer, record
 
     async def _score_here(
-        self, tenant: Tenant, request: pb.ScorePoolsRequest, message: bool = False
+        self, tenant: Tenant, request: pb.ScorePoolsRequest
     ) -> pb.ScorePoolsResponse | bytes:
-        """ScorePools over the pools this server serves (``message``: never as bytes)."""
+        answer, durable, record = self._scored_here(tenant, request, False)
+        if not durable:
+            return answer
+        assert isinstance(answer, pb.ScorePoolsResponse)  # (bytes only without a wait)
+        return await self._durable(answer, record)
+
+    def _scored_here(
+        self, tenant: Tenant, request: pb.ScorePoolsRequest, message: bool
+    ) -> tuple[pb.ScorePoolsResponse | bytes, bool, Record]:
+        """ScorePools over the pools this server serves (``message``: never as bytes):
+        the answer, whether it is sent only once durable, and the journal record to
+        write first (a reservation's)."""
         limits = self.registry.limits
         reserve = None
         digest = b""  # a reserving call's key's digest (none: no key)
@@ -89,7 +113,7 @@ class RoutingCalls(ServicerCore):
                     score_key_owner(tenant.name), "ScorePools", request, pb.ScorePoolsResponse
                 )
                 if kept is not None:  # a retry: the first answer, nothing reserved again
-                    return await self._durable(kept)
+                    return kept, True, None
         scores = score_pools(
             self.registry.served(),
             # full access holds every role: no check per pool (64 pools: about 30 us)
@@ -105,20 +129,21 @@ class RoutingCalls(ServicerCore):
         if reserve is None and not request.include_block_ids and not message:
             # a router's usual call: the answer's bytes joined from parts kept per pool
             # (add_servicer sends them as they are)
-            return self._score_encoder.encode(scores.scores, scores.unscored)
+            return self._score_encoder.encode(scores.scores, scores.unscored), False, None
         response = scores_to_pb(scores.scores, scores.unscored, request.include_block_ids)
         made = scores.reservation
         if made is None:
             response.reservation_skipped = scores.reservation_skipped
-            return response
+            return response, False, None
         response.reservation.CopyFrom(reservation_to_pb(made))
         if digest:
             self.mutations.keep_unjournaled(
                 score_key_owner(tenant.name), "ScorePools", request, digest, response
             )
         held = self.registry.pools[made.pool]
-        return await self._durable(
+        return (
             response,
+            True,
             lambda r: r.reserved(held, made.reservation_id, made.num_tokens, made.hashes, made.tenant),
         )
 

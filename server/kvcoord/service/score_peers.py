@@ -36,6 +36,7 @@ from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
 from .access import FULL_ACCESS, AccessControl, Role, Tenant
 from .cluster import Cluster
 from .cluster_placement import ClusterPlacement, ReplicasServicer
+from .durability import Recorder
 from .errors import REASON_METADATA_KEY, ErrorReason, ServiceError, Status, map_errors
 
 __all__ = ["PEER_SCORE_SECONDS", "UNSCORED_UNREACHABLE", "ClusterScores", "ScoringReplicas"]
@@ -47,9 +48,14 @@ PEER_SCORE_SECONDS = 2.0
 #: answer, or nobody serves the pool at the moment)
 UNSCORED_UNREACHABLE = "OWNER_UNREACHABLE"
 
-#: scores the caller's request over this replica's own pools, as a message (and with
-#: reserve_seconds reserves and journals): RoutingCalls._score_here
+#: a reservation's journal record, written before the answer waits until durable (None: none)
+Record = Callable[[Recorder], None] | None
+#: scores a request over this replica's own pools, as a message, answered once durable
+#: (with reserve_seconds it reserves, keeps the answer under its key and journals):
+#: RoutingCalls.score_here
 ScoreHere = Callable[[Tenant, pb.ScorePoolsRequest], Awaitable[pb.ScorePoolsResponse]]
+#: the same without the wait: the answer and its record (RoutingCalls.scored_here)
+ScoredHere = Callable[[Tenant, pb.ScorePoolsRequest], tuple[pb.ScorePoolsResponse, Record]]
 
 _STATUSES = {
     grpc.StatusCode.INVALID_ARGUMENT: Status.INVALID,
@@ -177,11 +183,13 @@ class ClusterScores:
         tenant: Tenant,
         request: pb.ScorePoolsRequest,
         plan: tuple[list[str], dict[str, list[str]], list[pb.UnscoredPool]],
-        score_here: ScoreHere,
+        here: ScoredHere,
         time_remaining: float | None,
-    ) -> pb.ScorePoolsResponse:
+    ) -> tuple[pb.ScorePoolsResponse, Record]:
         """The merged answer of every part of ``plan`` (:meth:`plan`), and with
-        ``reserve_seconds`` the reservation of its best pool on that pool's owner.
+        ``reserve_seconds`` the reservation of its best pool on that pool's owner; with
+        the journal record of a reservation made here (the caller writes it, keeps the
+        answer under the caller's key and answers once durable).
 
         Raises:
             ServiceError: what a single server raises for the request (a part's
@@ -190,18 +198,25 @@ class ClusterScores:
                 unknown: retry with the same idempotency key).
         """
         local, remote, lost = plan
-        wait = PEER_SCORE_SECONDS
-        if time_remaining is not None:
-            wait = max(0.0, min(wait, time_remaining / 2))
-        calls: list[Awaitable[pb.ScorePoolsResponse]] = []
-        if local:
-            calls.append(score_here(tenant, _part(request, local, False)))
-        for address, pools in remote.items():
-            calls.append(self._ask(address, tenant, _part(request, pools, False), wait, pools))
-        parts = await asyncio.gather(*calls)
+        loop = asyncio.get_running_loop()
+        deadline = None if time_remaining is None else loop.time() + time_remaining
+        wait = PEER_SCORE_SECONDS if time_remaining is None else min(PEER_SCORE_SECONDS, time_remaining / 2)
+        asked = [
+            loop.create_task(self._ask(address, tenant, _part(request, pools, False), wait, pools))
+            for address, pools in remote.items()
+        ]
+        try:
+            if asked:
+                await asyncio.sleep(0)  # the owners' calls sent first: this replica's part meanwhile
+            parts = [here(tenant, _part(request, local, False))[0]] if local else []
+            parts.extend(await asyncio.gather(*asked))
+        finally:
+            for task in asked:
+                task.cancel()
         scores = sorted((s for p in parts for s in p.scores), key=_rank)
         unscored = [*lost, *(u for p in parts for u in p.unscored)]
         answer = pb.ScorePoolsResponse()
+        record: Record = None
         if request.reserve_seconds:
             if not scores or not scores[0].hit_tokens:
                 answer.reservation_skipped = (
@@ -210,11 +225,14 @@ class ClusterScores:
             else:
                 best = scores.pop(0)
                 ask = _part(request, [best.pool], True)
-                if best.pool in local:  # (the caller's key and answer are kept by the caller)
+                if best.pool in local:  # (the caller keeps the answer under its key)
                     ask.idempotency_key = ""
-                    held = await score_here(tenant, ask)
+                    held, record = here(tenant, ask)
                 else:
-                    held = await self._reserve_at(remote, best.pool, tenant, ask)
+                    left = PEER_SCORE_SECONDS if deadline is None else deadline - loop.time()
+                    held = await self._reserve_at(
+                        remote, best.pool, tenant, ask, min(PEER_SCORE_SECONDS, left)
+                    )
                 scores = sorted([*scores, *held.scores], key=_rank)
                 unscored.extend(held.unscored)
                 if held.HasField("reservation"):
@@ -225,7 +243,7 @@ class ClusterScores:
                     )
         answer.scores.extend(scores)
         answer.unscored.extend(sorted(unscored, key=lambda u: u.pool))
-        return answer
+        return answer, record
 
     async def _ask(
         self, address: str, tenant: Tenant, part: pb.ScorePoolsRequest, wait: float, pools: Sequence[str]
@@ -248,11 +266,11 @@ class ClusterScores:
         )
 
     async def _reserve_at(
-        self, remote: dict[str, list[str]], pool: str, tenant: Tenant, part: pb.ScorePoolsRequest
+        self, remote: dict[str, list[str]], pool: str, tenant: Tenant, part: pb.ScorePoolsRequest, wait: float
     ) -> pb.ScorePoolsResponse:
         address = next(a for a, pools in remote.items() if pool in pools)
         try:
-            return await self._call(address, tenant, part, PEER_SCORE_SECONDS)
+            return await self._call(address, tenant, part, max(0.0, wait))
         except grpc.aio.AioRpcError as exc:
             told = _told(exc)
             if told is not None:

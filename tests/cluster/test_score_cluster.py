@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from kvcoord.client.testing import ServerProcess, start_server
 from kvcoord.v1 import allocator_pb2 as pb
 from service.helpers import hashes
 from test_handover import wait_placed
-from test_replicas import POOL_CONFIG, placed, replica_config
+from test_replicas import POOL_CONFIG, claims, placed, replica_config
 
 ROOT = "tok-root"
 TOKENS = {"alice": "tok-alice", "bob": "tok-bob"}
@@ -176,3 +177,30 @@ def test_an_owner_that_does_not_answer_leaves_its_pools_unscored_within_the_dead
     with KVCoordClient(targets, token=TOKENS["alice"]) as alice:
         answer = alice.score_pools(len(PROMPT), [_prompt()])
         assert [(s.pool, s.hit_tokens) for s in answer.scores] == [(A1, 40), (A0, 8)]
+
+
+def test_a_pool_nobody_serves_is_named_unscored_not_left_out(
+    etcd: Etcd, two: list[ServerProcess], request: pytest.FixtureRequest
+) -> None:
+    """r1 is SIGKILLed (local journals: its pools wait for it, claimed by nobody once
+    its lease ends): a ScorePools reaching r0 scores A0 and names A1 unscored,
+    OWNER_UNREACHABLE, rather than answering as if A1 did not exist."""
+    r0, r1 = two
+    with KVCoordClient([r0.address, r1.address], token=TOKENS["alice"]) as alice:
+        _cache(alice, A0, PROMPT[:9], "part")
+    r1.proc.kill()
+    r1.proc.wait(10)
+    cluster = request.node.name.replace("[", "-").rstrip("]")
+    deadline = time.monotonic() + 30
+    while claims(etcd, cluster) != {A0: "r0"} and time.monotonic() < deadline:  # bounded: r1's lease ends
+        time.sleep(0.2)
+    assert claims(etcd, cluster) == {A0: "r0"}
+    with KVCoordClient(r0.address, token=TOKENS["alice"], retry=NO_RETRY) as alice:
+        for _ in range(50):  # bounded: r0's watch reads the claims' end
+            answer = alice.score_pools(len(PROMPT), [_prompt()])
+            if any("no live replica" in u.message for u in answer.unscored):
+                break
+            time.sleep(0.1)
+        assert [(s.pool, s.hit_tokens) for s in answer.scores] == [(A0, 8)]
+        assert [(u.pool, u.reason) for u in answer.unscored] == [(A1, "OWNER_UNREACHABLE")]
+        assert "no live replica serves the pool" in answer.unscored[0].message

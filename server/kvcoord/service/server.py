@@ -126,6 +126,8 @@ class RunningServer:
         await self.server.stop(grace)
         if self.publishers is not None:
             await self.publishers.close()
+        if self.servicer.score_peers is not None:  # (its channels to the other replicas)
+            await self.servicer.score_peers.close()
         try:
             await self._snapshot_and_close(snapshot)
         finally:

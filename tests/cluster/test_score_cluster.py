@@ -15,6 +15,7 @@ import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from durable_server import env
@@ -25,7 +26,7 @@ from kvcoord.client.routing import PoolRouter
 from kvcoord.client.testing import ServerProcess, start_server
 from kvcoord.v1 import allocator_pb2 as pb
 from service.helpers import hashes
-from test_handover import wait_placed
+from test_handover import secured, wait_placed
 from test_replicas import POOL_CONFIG, claims, placed, replica_config
 
 ROOT = "tok-root"
@@ -204,3 +205,35 @@ def test_a_pool_nobody_serves_is_named_unscored_not_left_out(
         assert [(s.pool, s.hit_tokens) for s in answer.scores] == [(A0, 8)]
         assert [(u.pool, u.reason) for u in answer.unscored] == [(A1, "OWNER_UNREACHABLE")]
         assert "no live replica serves the pool" in answer.unscored[0].message
+
+
+def test_a_tenant_known_by_its_certificate_is_scored_over_mutual_tls(
+    etcd: Etcd, tmp_path: Path, request: pytest.FixtureRequest, certs: Any
+) -> None:
+    """Replicas serving mutual TLS to a tenant known by its client certificate (no token
+    to pass on): the replica reached asks the other over TLS with the replicas' token,
+    naming the tenant, and the other scores its pool in that tenant's cache."""
+    from kvcoord.client import TLSOptions
+
+    cluster = request.node.name
+    tls = TLSOptions(ca_file=certs.ca, cert_file=certs.client_cert, key_file=certs.client_key)
+    m0, m1 = placed("m", "r0", IDS), placed("m", "r1", IDS)
+    procs: list[ServerProcess] = []
+    try:
+        for r in IDS:
+            procs.append(
+                start_server(secured(replica_config(etcd, r, tmp_path / r, cluster), certs), env=env())
+            )
+        targets = [p.address for p in procs]
+        with KVCoordClient(targets, tls=tls) as team:
+            for pool in (m0, m1):
+                team.create_pool(pool, POOL_CONFIG)
+            wait_placed(targets, {m0: "r0", m1: "r1"}, tls=tls)
+            _cache(team, m1, PROMPT, "whole")
+            _cache(team, m0, PROMPT[:9], "part")
+            answer = team.score_pools(len(PROMPT), [_prompt()])
+            assert [(s.pool, s.hit_tokens) for s in answer.scores] == [(m1, 40), (m0, 8)]
+            assert list(answer.unscored) == []
+    finally:
+        for p in procs:
+            p.stop()

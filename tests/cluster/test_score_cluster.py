@@ -134,6 +134,11 @@ def test_the_best_pool_is_found_and_reserved_on_whichever_replica_serves_it(
         assert [s.pool for s in reserved.scores] == [A1, A0]
         again = alice.unary(Api.score_pools, request)  # type: ignore[arg-type]
         assert again.reservation.reservation_id == reserved.reservation.reservation_id
+        # the same keyed call retried at the other replica (the first one lost): the same
+        # reservation (was: KEY_REUSED there, the key kept with the owner's part's body)
+        with KVCoordClient(targets[::-1], token=TOKENS["alice"]) as other:
+            elsewhere = other.unary(Api.score_pools, request)  # type: ignore[arg-type]
+        assert elsewhere.reservation.reservation_id == reserved.reservation.reservation_id
         assert alice.get_stats(A1).reservations.live == 1  # held on its owner, once
         assert alice.get_stats(A0).reservations.made == 0
         s = alice.attach(A1, "sha256_cbor", 4, "0")

@@ -45,7 +45,7 @@ class RoutingCalls(ServicerCore):
             return await self._score_here(tenant, request)
         plan = peers.plan(tenant, list(request.candidate_pools))
         _, remote, lost = plan
-        if not remote and not lost:  # every pool is here: as a single node
+        if not remote and not lost and not request.reserve_seconds:  # every pool is here: as a single node
             return await self._score_here(tenant, request)
         digest = b""
         if request.reserve_seconds and request.idempotency_key:
@@ -68,7 +68,7 @@ class RoutingCalls(ServicerCore):
     async def score_here(self, tenant: Tenant, request: pb.ScorePoolsRequest) -> pb.ScorePoolsResponse:
         """ScorePools for ``tenant`` over the pools this server serves, as a message,
         answered once durable (an owner's part of a cluster's call: :mod:`.score_peers`)."""
-        answer, durable, record = self._scored_here(tenant, request, True)
+        answer, durable, record = self._scored_here(tenant, request, True, _part_key_owner(tenant))
         assert isinstance(answer, pb.ScorePoolsResponse)
         return await self._durable(answer, record) if durable else answer
 
@@ -78,7 +78,7 @@ class RoutingCalls(ServicerCore):
         """:meth:`score_here` without its wait: the answer and its reservation's journal
         record (``None``: none), for the caller to answer with once durable (the
         receiving replica's own part of a cluster's call, unkeyed: it keeps the answer)."""
-        answer, _, record = self._scored_here(tenant, request, True)
+        answer, _, record = self._scored_here(tenant, request, True, _part_key_owner(tenant))
         assert isinstance(answer, pb.ScorePoolsResponse)
         return answer, record
 
@@ -92,11 +92,13 @@ class RoutingCalls(ServicerCore):
         return await self._durable(answer, record)
 
     def _scored_here(
-        self, tenant: Tenant, request: pb.ScorePoolsRequest, message: bool
+        self, tenant: Tenant, request: pb.ScorePoolsRequest, message: bool, key_owner: str = ""
     ) -> tuple[pb.ScorePoolsResponse | bytes, bool, Record]:
         """ScorePools over the pools this server serves (``message``: never as bytes):
         the answer, whether it is sent only once durable, and the journal record to
-        write first (a reservation's)."""
+        write first (a reservation's). ``key_owner``: whose the key is (default: the
+        caller's tenant's, :func:`score_key_owner`)."""
+        key_owner = key_owner or score_key_owner(tenant.name)
         limits = self.registry.limits
         reserve = None
         digest = b""  # a reserving call's key's digest (none: no key)
@@ -110,7 +112,7 @@ class RoutingCalls(ServicerCore):
             )
             if request.idempotency_key:
                 digest, kept = self.mutations.kept_unjournaled(
-                    score_key_owner(tenant.name), "ScorePools", request, pb.ScorePoolsResponse
+                    key_owner, "ScorePools", request, pb.ScorePoolsResponse
                 )
                 if kept is not None:  # a retry: the first answer, nothing reserved again
                     return kept, True, None
@@ -137,9 +139,7 @@ class RoutingCalls(ServicerCore):
             return response, False, None
         response.reservation.CopyFrom(reservation_to_pb(made))
         if digest:
-            self.mutations.keep_unjournaled(
-                score_key_owner(tenant.name), "ScorePools", request, digest, response
-            )
+            self.mutations.keep_unjournaled(key_owner, "ScorePools", request, digest, response)
         held = self.registry.pools[made.pool]
         return (
             response,
@@ -161,6 +161,15 @@ class RoutingCalls(ServicerCore):
                 self.mutations.record(lambda r: r.reservation_released(service, reservation_id))  # noqa: B023
                 n += 1
         return n
+
+
+def _part_key_owner(tenant: Tenant) -> str:
+    """Whose the key of a cluster's part of a ScorePools call is (its reservation, made
+    on the best pool's owner, named alone under the caller's key): apart from the
+    caller's own calls under that key, whose body differs (a retry reaching this replica
+    finds the caller's call new here, and its reservation part kept). Unjournaled like
+    :func:`score_key_owner` (it starts alike); no tenant name holds a NUL."""
+    return score_key_owner(tenant.name) + "\x00part"
 
 
 def _everywhere(_pool: str) -> bool:

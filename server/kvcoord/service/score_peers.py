@@ -14,10 +14,10 @@ over), is listed in ``unscored`` with reason :data:`UNSCORED_UNREACHABLE`: the a
 bounded, never held by one frozen replica, and never silently short of a pool.
 
 With ``reserve_seconds`` the best pool of the merged answer is reserved on its owner: a
-second call there naming it alone (under the caller's idempotency key when it is a peer:
-a keyed retry reaching any replica that picks the same pool gets the same
-reservation), so exactly one reservation is made. Its fresh score replaces the one read
-before.
+second call there naming it alone, under the caller's idempotency key (kept apart from
+the caller's own calls: RoutingCalls._part_key_owner), so exactly one reservation is
+made, and a keyed retry reaching any replica that picks the same pool gets the same
+one. Its fresh score replaces the one read before.
 
 What a tenant sees is decided as for a single server: the observe role, by pool name
 (every replica holds the same tenants), is checked here for every pool of the cluster
@@ -225,8 +225,7 @@ class ClusterScores:
             else:
                 best = scores.pop(0)
                 ask = _part(request, [best.pool], True)
-                if best.pool in local:  # (the caller keeps the answer under its key)
-                    ask.idempotency_key = ""
+                if best.pool in local:  # (kept under the key as a part, as an owner keeps it)
                     held, record = here(tenant, ask)
                 else:
                     left = PEER_SCORE_SECONDS if deadline is None else deadline - loop.time()

@@ -175,7 +175,8 @@ def _calls_in(fn: ast.AST) -> list[str]:
 #: around them) and the server around it, their
 #: interceptors and credentials, the wire conversion, errors.py, whose one table
 #: turns a rules Status into a gRPC code, and cluster.py, which dials other replicas and
-#: serves their AdoptPool calls (its rules are ownership.py's). Every other module is
+#: serves their AdoptPool calls (its rules are ownership.py's), and score_peers.py, which
+#: asks them for their pools' scores (ScorePools in a cluster). Every other module is
 #: plain Python.
 GRPC_MODULES = {
     "errors.py",
@@ -195,6 +196,7 @@ GRPC_MODULES = {
     "convert.py",
     "cluster.py",
     "cluster_placement.py",
+    "score_peers.py",
 }
 
 

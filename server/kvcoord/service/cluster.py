@@ -277,7 +277,7 @@ class Cluster(ClusterRecovery):
             limit = max(HANDOVER_SECONDS, self.timeout)
             if deadline is not None:
                 limit = min(limit, deadline - asyncio.get_running_loop().time())
-            async with self._peer_channel(target.address) as channel:
+            async with self.peer_channel(target.address) as channel:
                 answer = await pb_grpc.ReplicasStub(channel).AdoptPool(  # type: ignore[no-untyped-call]
                     request, timeout=limit, metadata=self.peer_metadata
                 )
@@ -301,7 +301,7 @@ class Cluster(ClusterRecovery):
             fn()
         return True
 
-    def _peer_channel(self, address: str) -> grpc.aio.Channel:
+    def peer_channel(self, address: str) -> grpc.aio.Channel:
         """A channel to another replica: TLS when the replicas serve TLS ([server.tls])."""
         options = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
         if self.peer_tls is None:

@@ -288,7 +288,7 @@ class ClusterScores:
             members = {m.address for m in self.cluster.view.members.values()}
             for gone in [a for a in self._channels if a not in members]:
                 await self._channels.pop(gone).close()
-            channel = self._channels[address] = self.cluster._peer_channel(address)
+            channel = self._channels[address] = self.cluster.peer_channel(address)
         stub = pb_grpc.ReplicasStub(channel)  # type: ignore[no-untyped-call]
         answer: pb.ScorePoolsResponse = await stub.ScoreForTenant(
             pb.ScoreForTenantRequest(tenant=tenant.name, request=part),

@@ -1,33 +1,44 @@
-"""A large pool loaded by a replica (a handover's ``AdoptPool``; a takeover from the
-cluster store) while the replica serves another pool.
+"""A pool loaded by a replica (a handover's ``AdoptPool``; a takeover from the cluster
+store) while the replica serves another pool.
 
 Loading such a pool decoded its state, built its engine and encoded the state again
 for the journal, all on the replica's event loop: about 6.5 s for 1,048,576 blocks on
-an idle core (1.1 s for 262,144). Meanwhile the replica renewed no cluster lease and
-answered no call: its lease (here 6 s) ended, the replica registered again, and calls
-of its other pool were told it could not reach the cluster store.
+an idle core (1.1 s for 262,144; deploy/README.md). Meanwhile the replica renewed no
+cluster lease and answered no call: its lease ended, the replica registered again, and
+calls of its other pools were told it could not reach the cluster store.
 
-Real etcd, the replica in the test's process (real gRPC); the large pool's state is
-made in the test's process by a pool of its own (the state a handover sends, or a base
-in the cluster store a dead owner left), so filling a million blocks takes seconds.
-What must hold while the replica loads it: its lease is kept (never registered again,
-never unsure of it), every call of another pool made meanwhile is answered, and the
-pool it loads is then served with every request's blocks as its state had them."""
+How long a build takes depends on the machine, so the tests do not rely on a large
+pool's time: the large pool's engine build (``pool_service.import_state``, called on the
+loop before and on the loading thread now) is held until the replica has answered
+:data:`ANSWERED` calls of another pool after the build began, for at most
+:data:`GATE_SECONDS` (longer than the lease). On the loop, nothing is answered while
+it is held: the build is released by the bound alone, the lease is lost meanwhile.
+
+Real etcd, the replica in the test's process (real gRPC); the pool's state is made in
+the test's process by a pool of its own (the state a handover sends, or a base in the
+cluster store a dead owner left). What must hold while the replica loads it: calls of
+another pool are answered while its engine is built, its lease is kept (never
+registered again, never unsure of it), every call of the other pool made meanwhile is
+answered, and the pool it loads is then served with every request's blocks as its state
+had them."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import cbor2
 import grpc
+import pytest
 from durable_server import free_port
 from etcd_process import Etcd
 from kvcoord.client import NO_RETRY, AsyncKVCoordClient, UnavailableError
 from kvcoord.service import operations as op
+from kvcoord.service import pool_service
 from kvcoord.service.cluster import Cluster
 from kvcoord.service.config import ServerConfig, parse_config
 from kvcoord.service.idempotency import IdempotencyStore
@@ -42,17 +53,52 @@ from replica_here import TRIES, replica_here
 from service.helpers import allocate
 from test_replicas import POOL_CONFIG
 
-#: the large pool's blocks (its state: about 108 MiB of CBOR)
-BLOCKS = 1 << 20
+#: the loaded pool's blocks (its engine's build is held by the gate, not made long by size)
+BLOCKS = 1 << 14
 #: blocks per request filling it (every other one freed: cached, not held)
-REQUEST_BLOCKS = 4096
-#: the replica's cluster lease (the load took 8 s of the loop at 1,048,576 blocks on an
-#: idle core; at load 30 on 2 cores the replica's other work alone held it 1-2 s at a time)
+REQUEST_BLOCKS = 256
+#: calls of the other pool the replica answers while the loaded pool's engine is built
+ANSWERED = 3
+#: the longest the gate holds the build (seconds): past the lease, so that a build on the
+#: replica's loop costs the lease
+GATE_SECONDS = 15.0
+#: the replica's cluster lease (at load 30 on 2 cores the replica's other work alone held
+#: its loop 1-2 s at a time)
 LEASE = 6
-#: how long the replica's journal commit may take: the adopt record is the state, and
-#: on a loaded machine (load 31 on 2 cores) its 108 MiB commit outlasted the default 10 s
-#: (the replica then stops serving: not what is tested here)
+#: how long the replica's journal commit may take (a loaded machine's commits outlasted
+#: the default 10 s: the replica then stops serving, not what is tested here)
 JOURNAL_STALL = 25
+
+
+class _Gate:
+    """Holds the loaded pool's engine build (``pool_service.import_state`` for a config of
+    :data:`BLOCKS` blocks, in this process: a forked rebuild child passes) until
+    :meth:`answered` was called :data:`ANSWERED` times after the build began, or for
+    :data:`GATE_SECONDS`; :attr:`released` says, per build, which ended the wait."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.began = threading.Event()
+        self.enough = threading.Event()
+        self.count = 0
+        self.released: list[bool] = []
+        pid, build = os.getpid(), pool_service.import_state
+
+        def held(config: object, value: object) -> object:
+            if os.getpid() == pid and getattr(config, "num_blocks", 0) == BLOCKS:
+                self.began.set()
+                self.released.append(self.enough.wait(GATE_SECONDS))
+            return build(config, value)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(pool_service, "import_state", held)
+
+    def answered(self) -> None:
+        """A call of another pool was answered."""
+        if self.began.is_set():
+            self.count += 1
+            if self.count >= ANSWERED:
+                self.enough.set()
+
+
 BIG_CONFIG = pb.PoolConfig(
     num_blocks=BLOCKS, hash_block_size=4, hash_algo="sha256_cbor", hash_seed="0", enable_caching=True,
     groups=[pb.KVCacheGroupSpec(full=pb.FullAttentionSpec(block_size=4))],
@@ -100,7 +146,7 @@ def _large_pool(name: str) -> tuple[PoolRegistry, dict[str, list[int]]]:
 
 
 async def _while_loading(
-    address: str, cluster: Cluster, load: Callable[[], Awaitable[None]]
+    address: str, cluster: Cluster, load: Callable[[], Awaitable[None]], gate: _Gate
 ) -> tuple[list[str], list[int], float]:
     """Run ``load`` while a client allocates in another pool of the replica, one call at
     a time (no retry), and the replica's lease is watched. Returns the errors those
@@ -141,6 +187,7 @@ async def _while_loading(
                     )
                     assert not got.result.refused
                     await c.free("other", [f"o{n}"], session_id=s.session_id, fence=s.fence)
+                    gate.answered()
                 except Exception as exc:  # noqa: BLE001 - what the test reports
                     errors.append(f"call {n}: {exc!r:.300}")
                 n += 1
@@ -170,11 +217,11 @@ async def _served(address: str, pool: str) -> dict[str, list[int]]:
     raise AssertionError(f"pool {pool} was never served")
 
 
-def test_a_large_pool_handed_over_is_loaded_while_the_replica_keeps_its_lease(
-    etcd: Etcd, tmp_path: Path
+def test_a_pool_handed_over_is_loaded_while_the_replica_answers_and_keeps_its_lease(
+    etcd: Etcd, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """r0 adopts a pool of a million blocks (``AdoptPool``, as a handover's sender
-    calls it: the pool's claim is a replica's that left the view)."""
+    """r0 adopts a pool (``AdoptPool``, as a handover's sender calls it: the pool's claim
+    is a replica's that left the view)."""
     name, big = "large-adopt-handover", "big"
     address, cfg = _config(etcd.endpoint, name, tmp_path / "r0")
     registry, held = _large_pool(big)
@@ -202,7 +249,11 @@ def test_a_large_pool_handed_over_is_loaded_while_the_replica_keeps_its_lease(
                     )
                     await call(sent, timeout=300)
 
-            errors, registered, longest = await _while_loading(address, cluster, adopt)
+            gate = _Gate(monkeypatch)
+            errors, registered, longest = await _while_loading(address, cluster, adopt, gate)
+            assert gate.released == [True], (
+                f"no call of another pool was answered while the engine was built: {gate.released}"
+            )
             assert errors == [] and registered == [], (errors[:5], len(errors), registered, longest)
             assert cluster.view.holds(big)
             assert await _served(address, big) == held
@@ -224,11 +275,11 @@ async def _put_base(cluster: Cluster, registry: PoolRegistry, pool: str, term: i
         await cluster.client.put(prefix + f"{term}/0/{n}/{len(parts)}".encode(), part)
 
 
-def test_a_large_pool_taken_over_from_the_store_is_loaded_while_the_replica_keeps_its_lease(
-    etcd: Etcd, tmp_path: Path
+def test_a_pool_taken_over_from_the_store_is_loaded_while_the_replica_answers_and_keeps_its_lease(
+    etcd: Etcd, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """r0 takes over a pool of a million blocks whose owner is gone (in the catalog,
-    unclaimed, its base in the store): rebuilt (a forked child), then loaded."""
+    """r0 takes over a pool whose owner is gone (in the catalog, unclaimed, its base in
+    the store): rebuilt (a forked child), then loaded."""
     name, big = "large-adopt-takeover", "big"
     address, cfg = _config(etcd.endpoint, name, tmp_path / "r0")
     registry, held = _large_pool(big)
@@ -248,7 +299,11 @@ def test_a_large_pool_taken_over_from_the_store_is_loaded_while_the_replica_keep
                 cluster._retry_at.pop(big)
                 assert await cluster.recover(big)
 
-            errors, registered, longest = await _while_loading(address, cluster, take_over)
+            gate = _Gate(monkeypatch)
+            errors, registered, longest = await _while_loading(address, cluster, take_over, gate)
+            assert gate.released == [True], (
+                f"no call of another pool was answered while the engine was built: {gate.released}"
+            )
             assert errors == [] and registered == [], (errors[:5], len(errors), registered, longest)
             assert cluster.view.holds(big) and cluster.failovers == 1
             assert await _served(address, big) == held

@@ -21,6 +21,7 @@ import pytest
 from kvcoord.client import NO_RETRY, KVCoordClient
 from kvcoord.client.errors import FencedError, GracePeriodError, KVCoordError, SessionExpiredError
 from ports import free_port
+from stopping import stop_process
 
 if TYPE_CHECKING:
     from kvcoord.v1 import allocator_pb2
@@ -133,14 +134,16 @@ class DurableServer:
     def paused(self) -> Iterator[None]:
         """The server and every process it forked (a snapshot child writes and renames its
         file on its own) held with SIGSTOP, as an atomic volume snapshot sees them: the
-        parent first, so it forks no more, then its children."""
+        parent first, so it forks no more, then its children, each waited for until none
+        of its threads runs (:func:`stop_process`: a bare SIGSTOP only starts the stop,
+        and the server's other threads may write on for a while after it)."""
         assert self.proc is not None
-        os.kill(self.proc.pid, signal.SIGSTOP)
+        stop_process(self.proc.pid)
         held = [self.proc.pid]
         try:
             for pid in _descendants(self.proc.pid):
                 try:
-                    os.kill(pid, signal.SIGSTOP)
+                    stop_process(pid)
                     held.append(pid)
                 except ProcessLookupError:  # it exited meanwhile
                     pass

@@ -4,7 +4,6 @@ bounded waits. Without the binary the tests fail (never skip), naming how to ins
 from __future__ import annotations
 
 import asyncio
-import os
 import shutil
 import signal
 import subprocess
@@ -20,48 +19,11 @@ import pytest
 from kvcoord.service.errors import ServiceError, Status
 from kvcoord.service.store_journal import PoolStreams
 from ports import free_ports
+from stopping import stop_process
 from tcp_proxy import Proxy
 
 #: starts tried, each on fresh ports, when a port was taken before etcd bound it
 STARTS = 3
-
-
-#: seconds a SIGSTOPped process is waited for until all its threads are stopped
-STOP_SECONDS = 30.0
-
-
-def stop_process(pid: int, timeout: float = STOP_SECONDS) -> None:
-    """SIGSTOP ``pid`` and return once every thread of it is stopped.
-
-    ``kill`` only starts a stop: the kernel wakes one thread to take the signal, and
-    the others run on until that thread has been scheduled and stops the group. On a
-    loaded machine that took longer than a whole call: etcd's other threads committed
-    a write sent after the ``kill`` (state "R" read in /proc both before and after that
-    call's answer), and a test expecting the store to answer nothing failed.
-
-    Raises:
-        TimeoutError: not every thread stopped within ``timeout`` seconds (SIGCONT sent).
-    """
-    os.kill(pid, signal.SIGSTOP)
-    deadline = time.monotonic() + timeout
-    while (running := _running_threads(pid)) and time.monotonic() < deadline:
-        time.sleep(0.005)
-    if running:
-        os.kill(pid, signal.SIGCONT)
-        raise TimeoutError(f"threads {running} of process {pid} were not stopped {timeout} s after SIGSTOP")
-
-
-def _running_threads(pid: int) -> list[int]:
-    """The threads of ``pid`` not stopped (their state in /proc: neither stopped nor gone)."""
-    running = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            state = (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (FileNotFoundError, ProcessLookupError):  # the thread ended meanwhile
-            continue
-        if state not in ("T", "t") and not (state in ("Z", "X") and int(task.name) != pid):
-            running.append(int(task.name))
-    return running
 
 
 class PortTaken(RuntimeError):

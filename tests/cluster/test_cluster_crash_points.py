@@ -54,6 +54,7 @@ from kvcoord.client.errors import (
 from kvcoord.client.retry import DEFAULT_RETRY
 from kvcoord.service.ownership import Member, owner_of
 from kvcoord.v1 import allocator_pb2 as pb
+from stopping import stop_process
 from tcp_proxy import Proxy
 from workload import check_pool
 
@@ -484,7 +485,7 @@ class Harness:
         node = self.nodes[victim]
         assert node.proc is not None
         held = self.rnd.uniform(0.5, 3.0) * LEASE
-        os.kill(node.proc.pid, signal.SIGSTOP)
+        stop_process(node.proc.pid)
         try:
             time.sleep(held)
         finally:
@@ -510,7 +511,7 @@ class Harness:
         """etcd SIGSTOPped a while (every replica cut off at once), then SIGCONT."""
         self.run_a_moment()
         held = self.rnd.uniform(0.2, 1.5) * LEASE
-        os.kill(self.etcd.proc.pid, signal.SIGSTOP)
+        self.etcd.freeze()
         try:
             time.sleep(held)
         finally:

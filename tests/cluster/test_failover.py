@@ -21,6 +21,7 @@ from kvcoord.client.testing import ServerProcess, start_server
 from kvcoord.service.ownership import Member, owner_of
 from kvcoord.v1 import allocator_pb2 as pb
 from service.helpers import allocate
+from stopping import stop_process
 from support import child_pids
 from tcp_proxy import Proxy
 from test_replicas import POOL_CONFIG, claims, placed_many
@@ -216,7 +217,7 @@ def test_pools_fail_over_without_loss_when_owners_and_store_members_die(
         # 4. an owner is cut off from the store past its lease (SIGSTOP): the others
         # take its pools over; once it runs again, it answers nothing for them
         cut = "r1"
-        os.kill(procs[cut].proc.pid, signal.SIGSTOP)
+        stop_process(procs[cut].proc.pid)
         try:
             others = [procs[r].address for r in REPLICAS if r != cut]
             deadline = time.monotonic() + 60
@@ -472,7 +473,7 @@ def test_a_large_pools_base_in_the_store_is_encoded_off_the_loop_and_rebuilds_it
             ):
                 time.sleep(0.001)
             assert child, "no child encodes the base (it was encoded on the loop)"
-            os.kill(child[0], signal.SIGSTOP)
+            stop_process(child[0])
             try:
                 with KVCoordClient(server.address, timeout=5.0, retry=NO_RETRY) as probe:
                     assert probe.get_pool("small").pool.name == "small"

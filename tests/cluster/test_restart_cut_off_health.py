@@ -84,7 +84,7 @@ def test_a_replica_restarted_while_cut_off_from_etcd_never_says_serving(
             c.allocate("w", allocate("a", list(range(8)), 8).allocate, s.session_id, s.fence)
             assert c.health(ALLOCATOR) == "SERVING"
         if away == "stopped":
-            os.kill(etcd.proc.pid, signal.SIGSTOP)
+            etcd.freeze()
         else:
             etcd.proc.kill()
             etcd.proc.wait()
@@ -175,7 +175,7 @@ def test_a_replica_whose_lease_ended_while_it_started_is_not_serving_before_its_
                 break
             time.sleep(0.05)
         assert "HOOK joined" in log_path.read_text(), log_path.read_text()
-        os.kill(etcd.proc.pid, signal.SIGSTOP)
+        etcd.freeze()
         stopped = True
         seen: list[str] = []
         with KVCoordClient(f"127.0.0.1:{port}", timeout=0.5, retry=NO_RETRY) as c:

@@ -56,7 +56,7 @@ def test_a_replica_cut_off_from_etcd_is_not_serving_until_it_reaches_it_again(
             s = c.attach("w", "sha256_cbor", 4, "0")
             c.allocate("w", allocate("a", list(range(8)), 8).allocate, s.session_id, s.fence)
             assert c.health(ALLOCATOR) == "SERVING"
-            os.kill(etcd.proc.pid, signal.SIGSTOP)
+            etcd.freeze()
             try:
                 seen = _wait_for(c, ALLOCATOR, "NOT_SERVING")
                 assert seen[-1] == "NOT_SERVING", (seen, server.log())

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 from durable_server import env
 from etcd_process import Etcd
@@ -25,6 +26,7 @@ from kvcoord.client.api import Api
 from kvcoord.client.routing import PoolRouter
 from kvcoord.client.testing import ServerProcess, start_server
 from kvcoord.v1 import allocator_pb2 as pb
+from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
 from service.helpers import hashes
 from test_handover import secured, wait_placed
 from test_replicas import POOL_CONFIG, claims, placed, replica_config
@@ -242,3 +244,35 @@ def test_a_tenant_known_by_its_certificate_is_scored_over_mutual_tls(
     finally:
         for p in procs:
             p.stop()
+
+
+@pytest.mark.parametrize("token", ["tok-alice", "tok-bob", ""])
+def test_a_tenant_cannot_ask_a_replica_for_another_tenant_s_scores(
+    two: list[ServerProcess], token: str
+) -> None:
+    """``Replicas.ScoreForTenant`` names the tenant it scores for, so only another replica
+    (a full-access token) may call it: a tenant's token naming itself, another tenant or
+    full access is refused (PERMISSION_DENIED), a call without a token is not
+    authenticated; the replicas' token is answered."""
+    r0, r1 = two
+    with KVCoordClient([r0.address, r1.address], token=TOKENS["bob"]) as bob:
+        _cache(bob, B1, PROMPT, "bob's")
+    request = pb.ScoreForTenantRequest(
+        tenant="bob",
+        request=pb.ScorePoolsRequest(num_tokens=len(PROMPT), prompts=[_prompt()], candidate_pools=[B1]),
+    )
+    with grpc.insecure_channel(r1.address) as channel:
+        call = pb_grpc.ReplicasStub(channel).ScoreForTenant  # type: ignore[no-untyped-call]
+        for tenant in ("bob", "alice", ""):
+            request.tenant = tenant
+            metadata = (("authorization", f"Bearer {token}"),) if token else None
+            with pytest.raises(grpc.RpcError) as refused:
+                call(request, metadata=metadata, timeout=10)
+            if token:
+                assert refused.value.code() is grpc.StatusCode.PERMISSION_DENIED, refused.value
+                assert "between replicas" in (refused.value.details() or "")
+            else:
+                assert refused.value.code() is grpc.StatusCode.UNAUTHENTICATED, refused.value
+        request.tenant = "bob"
+        answer = call(request, metadata=(("authorization", f"Bearer {ROOT}"),), timeout=10)
+    assert [(s.pool, s.hit_tokens) for s in answer.scores] == [(B1, 40)]

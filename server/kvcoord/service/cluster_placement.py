@@ -387,16 +387,21 @@ class ReplicasServicer(pb_grpc.ReplicasServicer):
         self.access = access
         self.created = created
 
+    def between_replicas(self, context: grpc.aio.ServicerContext, call: str) -> None:
+        """Refuse ``call`` unless its caller holds a full-access token (another replica).
+
+        Raises:
+            ServiceError: PERMISSION_DENIED.
+        """
+        caller = self.access.authenticate(context.invocation_metadata(), context.auth_context)
+        if not caller.full_access:
+            raise ServiceError(Status.DENIED, f"{call} is between replicas: it needs a full-access token")
+
     @map_errors
     async def AdoptPool(
         self, request: pb.AdoptPoolRequest, context: grpc.aio.ServicerContext
     ) -> pb.AdoptPoolResponse:
-        tenant = self.access.authenticate(context.invocation_metadata(), context.auth_context)
-        if not tenant.full_access:
-            raise ServiceError(
-                Status.DENIED,
-                "AdoptPool is between replicas: it needs a full-access token",
-            )
+        self.between_replicas(context, "AdoptPool")
         term = await self.placement.adopt(
             request.pool, request.state, request.from_replica, request.claim_revision
         )

@@ -32,6 +32,7 @@ from collections.abc import Awaitable, Callable, Sequence
 import grpc
 from kvcoord.v1 import allocator_pb2 as pb
 from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
+from kvcoord.wire import score_rank
 
 from .access import FULL_ACCESS, AccessControl, Role, Tenant
 from .cluster import Cluster
@@ -65,11 +66,6 @@ _STATUSES = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: Status.EXHAUSTED,
     grpc.StatusCode.ABORTED: Status.ABORTED,
 }
-
-
-def _rank(score: pb.PoolScore) -> tuple[int, int, str]:
-    """The policy's sort key, best first (as ``PoolScore.rank``)."""
-    return (-score.hit_tokens, -score.num_free_blocks, score.pool)
 
 
 def _part(request: pb.ScorePoolsRequest, pools: Sequence[str], reserve: bool) -> pb.ScorePoolsRequest:
@@ -213,7 +209,7 @@ class ClusterScores:
         finally:
             for task in asked:
                 task.cancel()
-        scores = sorted((s for p in parts for s in p.scores), key=_rank)
+        scores = sorted((s for p in parts for s in p.scores), key=score_rank)
         unscored = [*lost, *(u for p in parts for u in p.unscored)]
         answer = pb.ScorePoolsResponse()
         record: Record = None
@@ -232,7 +228,7 @@ class ClusterScores:
                     held = await self._reserve_at(
                         remote, best.pool, tenant, ask, min(PEER_SCORE_SECONDS, left)
                     )
-                scores = sorted([*scores, *held.scores], key=_rank)
+                scores = sorted([*scores, *held.scores], key=score_rank)
                 unscored.extend(held.unscored)
                 if held.HasField("reservation"):
                     answer.reservation.CopyFrom(held.reservation)
@@ -324,11 +320,7 @@ class ScoringReplicas(ReplicasServicer):
     async def ScoreForTenant(
         self, request: pb.ScoreForTenantRequest, context: grpc.aio.ServicerContext
     ) -> pb.ScorePoolsResponse:
-        caller = self.access.authenticate(context.invocation_metadata(), context.auth_context)
-        if not caller.full_access:
-            raise ServiceError(
-                Status.DENIED, "ScoreForTenant is between replicas: it needs a full-access token"
-            )
+        self.between_replicas(context, "ScoreForTenant")
         tenant = FULL_ACCESS if not request.tenant else self.access.tenants.get(request.tenant)
         if tenant is None:
             raise ServiceError(

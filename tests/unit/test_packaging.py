@@ -132,7 +132,7 @@ def test_public_exports_are_pinned() -> None:
         "HASH_LENGTHS", "LEASE_MARGIN", "MAX_MODEL_LEN_UNLIMITED", "STATS_FIELDS", "ConfigFileError", "ReplicaState", "WireError",
         "add_events", "allocate_op", "block_ids_to_pb", "config_from_pb", "copies_from_pb", "copies_to_pb", "event_from_pb", "event_to_pb", "events_digest",
         "events_from_pb", "events_message_digest", "extra_key_sources_from_pb", "fill_event", "free_op", "group_kinds", "hit_from_pb", "hit_to_pb", "ids_from_pb",
-        "lora_from_pb", "offloads_from_pb", "offloads_to_pb", "pool_config_from_table", "pool_state_from_pb", "spec_from_pb", "stats_from_pb",
+        "lora_from_pb", "offloads_from_pb", "offloads_to_pb", "pool_config_from_table", "pool_state_from_pb", "score_rank", "spec_from_pb", "stats_from_pb",
         "stats_to_pb", "string_list", "tables", "uncomputed_from_pb", "write_extra_key_sources", "write_ids", "write_pool_state",
     ])  # fmt: skip
     for mod in (kvcoord.engine, kvcoord.client, kvcoord.wire):

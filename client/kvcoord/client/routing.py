@@ -31,6 +31,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from kvcoord.v1 import allocator_pb2 as pb
+from kvcoord.wire import score_rank
 
 from .client import KVCoordClient
 from .errors import NotFoundError
@@ -98,11 +99,6 @@ def hash_prompt(
             profile="" if profile == "vllm-0.16" else profile, num_hash_lookahead_tokens=lookahead,
         )  # fmt: skip
     return list(out.values())
-
-
-def score_rank(score: pb.PoolScore) -> tuple[int, int, str]:
-    """Sort key of the policy, best first: longest hit, most free blocks, name."""
-    return (-score.hit_tokens, -score.num_free_blocks, score.pool)
 
 
 def choose_pool(response: pb.ScorePoolsResponse) -> pb.PoolScore | None:

@@ -6,7 +6,8 @@ protobuf and the standard library (tests/unit/test_layers.py):
 
 - :mod:`.layouts`  PoolConfig <-> the engine's KVCacheConfig, and a pool's table form
   (config files, conformance traces)
-- :mod:`.values`   block ids, prefix hits, LoRA adapters, prefix-cache statistics
+- :mod:`.values`   block ids, prefix hits, LoRA adapters, prefix-cache statistics, the
+  order of ScorePools answers (`score_rank`)
 - :mod:`.events`   KV events and the events digest
 - :mod:`.mamba`    vLLM 0.33's boundary-state offloads and copy-on-write pairs
 - :mod:`.state`    an exclusive session's pool state (AttachResponse.pool_state)
@@ -51,6 +52,7 @@ from .values import (
     hit_to_pb,
     ids_from_pb,
     lora_from_pb,
+    score_rank,
     stats_from_pb,
     stats_to_pb,
     uncomputed_from_pb,
@@ -85,6 +87,7 @@ __all__ = [
     "ids_from_pb",
     "extra_key_sources_from_pb",
     "lora_from_pb",
+    "score_rank",
     "offloads_from_pb",
     "offloads_to_pb",
     "pool_config_from_table",

@@ -21,6 +21,7 @@ __all__ = [
     "hit_to_pb",
     "ids_from_pb",
     "lora_from_pb",
+    "score_rank",
     "stats_from_pb",
     "stats_to_pb",
     "uncomputed_from_pb",
@@ -150,3 +151,10 @@ def free_op(
 def uncomputed_from_pb(op: pb.FreeOp) -> int | None:
     """A FreeOp's ``uncomputed_from`` (``None``: a plain free)."""
     return op.uncomputed_from if op.HasField("uncomputed_from") else None
+
+
+def score_rank(score: pb.PoolScore) -> tuple[int, int, str]:
+    """A ScorePools answer's order, best first: the longest hit, then the most free
+    blocks, then the pool's name (the router's policy; the server's ``PoolScore.rank``
+    on its own values)."""
+    return (-score.hit_tokens, -score.num_free_blocks, score.pool)

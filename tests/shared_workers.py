@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from kvcoord.client import KVCoordClient, RemoteKVCacheManager
+from kvcoord.client import DEFAULT_RETRY, KVCoordClient, RemoteKVCacheManager, RetryPolicy
 from kvcoord.client.faults import FaultInjector
 from kvcoord.client.hashing import BlockHasher, none_hash
 from kvcoord.v1 import allocator_pb2 as pb
@@ -62,19 +62,21 @@ def server_tables(client: KVCoordClient, pool: str) -> dict[str, list[int]]:
 
 def shared_worker(address: str | Sequence[str], pool: str, wid: int, steps: int, memory: KVMemory, counts: dict[str, int],
                   injectors: list[FaultInjector], tenant: str = "", token: str | None = None,
-                  admin: str | None = None, route: Callable[[Req], None] | None = None) -> None:  # fmt: skip
+                  admin: str | None = None, route: Callable[[Req], None] | None = None,
+                  retry: RetryPolicy = DEFAULT_RETRY) -> None:  # fmt: skip
     """A small scheduler on the shared pool: admits prompts sharing prefixes with the other
     workers', prefills in chunks, decodes, preempts the newest on a refusal, frees, and
     now and then evicts a block id (as a failed KV load does). ``token``: its tenant's
     (``tenant`` names it in the KV memory); ``admin``: the token that inspects the pool;
-    ``route``: called with each new request before its first allocation (a router)."""
+    ``route``: called with each new request before its first allocation (a router);
+    ``retry``: its client's policy (a server restarted under it: one that outlasts a restart)."""
     rnd = random.Random(100 + wid)
     # the same prefixes in every worker: they hit each other's blocks
     prefixes = [[random.Random(7 + i).randrange(50) for _ in range(n)] for i, n in enumerate((0, 8, 13, 24))]
     fi = FaultInjector(200 + wid, drop=0.05, delay=0.05, duplicate=0.05, reorder=0.05)
     injectors.append(fi)
     with (
-        KVCoordClient(address, interceptors=[fi], token=token) as c,
+        KVCoordClient(address, interceptors=[fi], token=token, retry=retry) as c,
         KVCoordClient(address, token=admin) as plain,
     ):
         m = RemoteKVCacheManager(c, pool, hash_seed="0", client_name=f"w{wid}")
@@ -172,16 +174,17 @@ def run_threads(target: Any, count: int, *args: Any) -> list[BaseException]:
 @contextmanager
 def routed_by_reservations(
     address: str | Sequence[str], wid: int, counts: dict[str, int], injectors: list[FaultInjector],
-    token: str | None, share: float = 0.7, pool: str = "shared",
+    token: str | None, share: float = 0.7, pool: str = "shared", retry: RetryPolicy = DEFAULT_RETRY,
 ) -> Iterator[Callable[[Req], None]]:  # fmt: skip
     """A router for worker ``wid``'s requests (``shared_worker``'s ``route``): ``share``
     of them are scored first with a reservation of their hit (ScorePools, 0.05-1.5 s),
-    on a channel that loses, duplicates and re-delivers its answers."""
+    on a channel that loses, duplicates and re-delivers its answers; ``retry``: the
+    router's client's policy."""
     rnd = random.Random(500 + wid)
     fi = FaultInjector(300 + wid, drop=0.1, duplicate=0.1, reorder=0.1, methods=("ScorePools",))
     injectors.append(fi)
     none = none_hash("sha256_cbor", "0")
-    with KVCoordClient(address, interceptors=[fi], token=token) as router:
+    with KVCoordClient(address, interceptors=[fi], token=token, retry=retry) as router:
 
         def route(r: Req) -> None:
             if rnd.random() < share:

@@ -29,6 +29,7 @@ from typing import Any
 
 import pytest
 from durable_server import DurableServer
+from durable_workload import PATIENT
 from kvcoord.client import KVCoordClient
 from kvcoord.client.faults import FaultInjector
 from kvcoord.service.testing import InProcessServer
@@ -231,8 +232,14 @@ def test_workers_and_routers_on_a_journaled_pool_sigkilled_under_them_keep_their
     stop = threading.Event()
 
     def worker(wid: int) -> None:
-        with routed_by_reservations(server.address, wid, counts, routers, None, share=0.5) as route:
-            shared_worker(server.address, "shared", wid, 80, memory, counts, injectors, route=route)
+        # (patient clients: a restart at load outlasted the default policy's 8 attempts, and a
+        # worker failed with UNAVAILABLE "connection refused", nothing wrong in its blocks)
+        with routed_by_reservations(
+            server.address, wid, counts, routers, None, share=0.5, retry=PATIENT
+        ) as route:
+            shared_worker(
+                server.address, "shared", wid, 80, memory, counts, injectors, route=route, retry=PATIENT
+            )
 
     def killer() -> None:
         for at in (40, 110, 180):  # steps done by all workers: the kills fall inside the run

@@ -425,6 +425,19 @@ def _take_over(manager: Any, address: str, pool: str) -> threading.Thread:
     return t
 
 
+# gRPC's own wording of a connection it could not make: an UNAVAILABLE call's details end
+# "failed to connect to all addresses; last error: UNKNOWN: ipv4:...: Connection refused"
+# (the subchannel's last error, not the call's status; a server SIGKILLed does this)
+_TRANSPORT_LAST_ERROR = re.compile(r"last error: [A-Z_]+")
+
+
+def names_a_failed_call(msg: str) -> bool:
+    """Whether a log message reports a call that ended INTERNAL or UNKNOWN (a server bug),
+    leaving out the transport's "last error" inside an UNAVAILABLE's details."""
+    status_words = _TRANSPORT_LAST_ERROR.sub("", msg)
+    return "INTERNAL" in status_words or "UNKNOWN" in status_words
+
+
 def verdict(case: Case, records: list[logging.LogRecord]) -> list[str]:
     """Every problem found: an engine's error, the oracle's violations, outputs other than
     vLLM's own, (network/sigkill, one engine) decisions other than vLLM's own, requests
@@ -457,11 +470,7 @@ def verdict(case: Case, records: list[logging.LogRecord]) -> list[str]:
             problems.append(f"engine {e} decisions differ: {first_difference(case.want, r['trace'])}")
     for rec in records:
         msg = rec.getMessage()
-        if (
-            "INTERNAL" in msg
-            or "UNKNOWN" in msg
-            or (rec.levelno >= logging.ERROR and rec.name.startswith("kvcoord"))
-        ):
+        if names_a_failed_call(msg) or (rec.levelno >= logging.ERROR and rec.name.startswith("kvcoord")):
             problems.append(f"log {rec.name} {rec.levelname}: {msg[:300]}")
     for word in ("INTERNAL", "Traceback", "UNKNOWN"):
         if word in case.server_log:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from harness import V033
-from layouts_faults import Case, run_case
+from layouts_faults import Case, names_a_failed_call, run_case
 
 GUARDS_033 = [
     Case("sync", "full+mamba-align", "predicted", "detach", 1, speculative="eagle"),
@@ -103,3 +103,16 @@ def test_vllm_033s_own_scheduler_stalls_on_a_failed_async_load(model_dir: Path) 
         ]
     finally:
         s.shutdown()
+
+
+def test_the_verdict_tells_a_failed_call_from_a_refused_connection() -> None:
+    # what the session keeper logged in CI while a killstep's server restarted (a renewal
+    # met nothing listening): the transport's "last error", not a server's failure
+    refused = (
+        "session renewal failed: UNAVAILABLE: failed to connect to all addresses; last error: "
+        "UNKNOWN: ipv4:127.0.0.1:28323: Failed to connect to remote host: Connection refused"
+    )
+    assert not names_a_failed_call(refused)
+    assert names_a_failed_call("step failed: UNKNOWN: Exception calling application: KeyError")
+    assert names_a_failed_call("allocate failed: INTERNAL: journal write")
+    assert names_a_failed_call(refused + " (then UNKNOWN: Exception iterating responses)")

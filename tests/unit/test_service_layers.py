@@ -175,7 +175,8 @@ def _calls_in(fn: ast.AST) -> list[str]:
 #: around them) and the server around it, their
 #: interceptors and credentials, the wire conversion, errors.py, whose one table
 #: turns a rules Status into a gRPC code, and cluster.py, which dials other replicas and
-#: serves their AdoptPool calls (its rules are ownership.py's), and score_peers.py, which
+#: serves their AdoptPool calls (its rules are ownership.py's), handover_parts.py, which
+#: sends and takes a pool's state in parts (AdoptPoolParts), and score_peers.py, which
 #: asks them for their pools' scores (ScorePools in a cluster). Every other module is
 #: plain Python.
 GRPC_MODULES = {
@@ -196,6 +197,7 @@ GRPC_MODULES = {
     "convert.py",
     "cluster.py",
     "cluster_placement.py",
+    "handover_parts.py",
     "score_peers.py",
 }
 

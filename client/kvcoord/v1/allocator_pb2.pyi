@@ -1576,6 +1576,32 @@ class AdoptPoolRequest(_message.Message):
     claim_revision: int
     def __init__(self, pool: _Optional[str] = ..., state: _Optional[bytes] = ..., from_replica: _Optional[str] = ..., claim_revision: _Optional[int] = ...) -> None: ...
 
+class AdoptPoolHeader(_message.Message):
+    __slots__ = ("pool", "from_replica", "claim_revision", "state_bytes", "state_sha256", "part_bytes")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    FROM_REPLICA_FIELD_NUMBER: _ClassVar[int]
+    CLAIM_REVISION_FIELD_NUMBER: _ClassVar[int]
+    STATE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STATE_SHA256_FIELD_NUMBER: _ClassVar[int]
+    PART_BYTES_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    from_replica: str
+    claim_revision: int
+    state_bytes: int
+    state_sha256: bytes
+    part_bytes: int
+    def __init__(self, pool: _Optional[str] = ..., from_replica: _Optional[str] = ..., claim_revision: _Optional[int] = ..., state_bytes: _Optional[int] = ..., state_sha256: _Optional[bytes] = ..., part_bytes: _Optional[int] = ...) -> None: ...
+
+class AdoptPoolPart(_message.Message):
+    __slots__ = ("header", "offset", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: AdoptPoolHeader
+    offset: int
+    data: bytes
+    def __init__(self, header: _Optional[_Union[AdoptPoolHeader, _Mapping]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
 class AdoptPoolResponse(_message.Message):
     __slots__ = ("term",)
     TERM_FIELD_NUMBER: _ClassVar[int]

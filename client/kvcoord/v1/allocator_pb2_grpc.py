@@ -967,6 +967,11 @@ class ReplicasStub:
                 request_serializer=kvcoord_dot_v1_dot_allocator__pb2.AdoptPoolRequest.SerializeToString,
                 response_deserializer=kvcoord_dot_v1_dot_allocator__pb2.AdoptPoolResponse.FromString,
                 _registered_method=True)
+        self.AdoptPoolParts = channel.stream_unary(
+                '/kvcoord.v1.Replicas/AdoptPoolParts',
+                request_serializer=kvcoord_dot_v1_dot_allocator__pb2.AdoptPoolPart.SerializeToString,
+                response_deserializer=kvcoord_dot_v1_dot_allocator__pb2.AdoptPoolResponse.FromString,
+                _registered_method=True)
         self.ScoreForTenant = channel.unary_unary(
                 '/kvcoord.v1.Replicas/ScoreForTenant',
                 request_serializer=kvcoord_dot_v1_dot_allocator__pb2.ScoreForTenantRequest.SerializeToString,
@@ -992,7 +997,27 @@ class ReplicasServicer:
         of an earlier call: nothing is touched), or the claim changed meanwhile (nothing is
         kept then); the caller then serves the pool again. With the state, the live
         reservations' holders and the seconds each has left ("leases"): the callee holds
-        them that long.
+        them that long. The callee's max_message_bytes bounds the request: a larger state
+        goes with AdoptPoolParts (a caller sends one that fits one part this way).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AdoptPoolParts(self, request_iterator, context):
+        """AdoptPool with the state in parts, for a state too large for one message (the
+        callee's server.max_message_bytes bounds every message it receives, each part of a
+        stream included). The first part is the header (pool, caller, claim revision, the
+        state's size and SHA-256, the longest piece that follows); every later part is the
+        next piece of the state, at its offset. The callee assembles the pieces, checks
+        their size and digest, and only then adopts the pool as AdoptPool does (same
+        answers). A stream that ends early, or whose parts come out of order, overlap,
+        overrun the size or do not match the digest, is refused INVALID_ARGUMENT and
+        nothing is kept (the caller serves the pool again); so is a stream cut by the
+        caller's end (nothing was adopted). A header whose piece size would not fit in the
+        callee's max_message_bytes is refused RESOURCE_EXHAUSTED, naming that limit. A
+        callee of a release without this call answers UNIMPLEMENTED: the caller sends a
+        state that fits one message with AdoptPool instead. Needs full access.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -1017,6 +1042,11 @@ def add_ReplicasServicer_to_server(servicer, server):
             'AdoptPool': grpc.unary_unary_rpc_method_handler(
                     servicer.AdoptPool,
                     request_deserializer=kvcoord_dot_v1_dot_allocator__pb2.AdoptPoolRequest.FromString,
+                    response_serializer=kvcoord_dot_v1_dot_allocator__pb2.AdoptPoolResponse.SerializeToString,
+            ),
+            'AdoptPoolParts': grpc.stream_unary_rpc_method_handler(
+                    servicer.AdoptPoolParts,
+                    request_deserializer=kvcoord_dot_v1_dot_allocator__pb2.AdoptPoolPart.FromString,
                     response_serializer=kvcoord_dot_v1_dot_allocator__pb2.AdoptPoolResponse.SerializeToString,
             ),
             'ScoreForTenant': grpc.unary_unary_rpc_method_handler(
@@ -1055,6 +1085,33 @@ class Replicas:
             target,
             '/kvcoord.v1.Replicas/AdoptPool',
             kvcoord_dot_v1_dot_allocator__pb2.AdoptPoolRequest.SerializeToString,
+            kvcoord_dot_v1_dot_allocator__pb2.AdoptPoolResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AdoptPoolParts(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/kvcoord.v1.Replicas/AdoptPoolParts',
+            kvcoord_dot_v1_dot_allocator__pb2.AdoptPoolPart.SerializeToString,
             kvcoord_dot_v1_dot_allocator__pb2.AdoptPoolResponse.FromString,
             options,
             channel_credentials,

@@ -9,13 +9,18 @@ the joiner over to it (:meth:`Cluster.rebalance`, beside the watch); a replica l
 to placement over the others, all within server.grace_seconds (:meth:`Cluster.leave`).
 The old owner stops serving the pool (calls are UNAVAILABLE: clients retry), sends its
 state (registry_state.dump_pool: engine, events, sessions with cursors, kept answers,
-lineage) with ``Replicas.AdoptPool``; the new owner journals it (an ``adopt`` record)
-and waits until it is durable, then swaps the claim to itself (compare-and-swap on the
-claim's revision) and serves; only then does the old owner remove its copy
-(journaled). A failure at any step before the swap leaves the old owner serving, under
+lineage) with ``Replicas.AdoptPool`` (a state larger than one part: in parts, each
+under max_message_bytes, with ``AdoptPoolParts``, handover_parts.py); the new owner
+journals it (an ``adopt`` record) and waits until it is durable, then swaps the claim
+to itself (compare-and-swap on the claim's revision) and serves; only then does the
+old owner remove its copy (journaled). A failure at any step before the swap leaves the old owner serving, under
 its claim put again first (:meth:`Cluster._settle_failed_handover`: a swap still on its
 way can never land); after it, the new owner's journal has the state. The call is made as the replicas serve (``[server.tls]``: TLS, and a client certificate
 under mutual TLS; ``[cluster.peer_tls]``, tls.py) with the first full-access token.
+A failed handover is counted (kvcoord_handovers_failed) and tried again by a rebalance
+only after a pause, growing (handover_parts.HandoverPauses); one that cannot happen as
+the replicas are (a peer of an earlier release and a state too large for one message,
+or a peer's lower max_message_bytes) is logged saying why, and paused longer.
 """
 
 from __future__ import annotations
@@ -29,11 +34,11 @@ from typing import Any
 
 import grpc
 from kvcoord.v1 import allocator_pb2 as pb
-from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
 
 from .cluster_recover import ClusterRecovery
 from .cluster_store import ClusterError
 from .cluster_watch import follow_changes
+from .handover_parts import HandoverPauses, send_state
 from .ownership import Claim, Member
 from .tasks import cancel_and_wait, uncancelled
 
@@ -95,6 +100,11 @@ class Cluster(ClusterRecovery):
         self._retry_at: dict[str, float] = {}
         #: the rebalance pass running beside the watch, if any
         self._rebalancing: asyncio.Task[None] | None = None
+        #: this replica's server.max_message_bytes: a handover's state is sent in parts
+        #: each under it (handover_parts.py); set by the server
+        self.max_message_bytes = 16 * 1024 * 1024
+        #: failed handovers, counted (metrics) and paused (a rebalance tries them later)
+        self.handovers = HandoverPauses()
         #: pools whose handover failed and whose claim could not be put again yet ->
         #: the claim's revision the handover named (not served; tried at each pass)
         self._unsettled: dict[str, int] = {}
@@ -199,7 +209,11 @@ class Cluster(ClusterRecovery):
 
         async def move(pool: str, target: Member) -> None:
             async with gate:
-                if not self.stopping and loop.time() < deadline:
+                if (
+                    not self.stopping
+                    and loop.time() < deadline
+                    and not self.handovers.pausing(pool, target.replica_id, self.clock())
+                ):
                     await self.hand_over(pool, target, deadline)
 
         moves = [loop.create_task(move(pool, target)) for pool, target in self.view.hand_overs().items()]
@@ -268,22 +282,26 @@ class Cluster(ClusterRecovery):
         try:
             if self.pool_free is not None:  # a Step applied to it in slices ends first
                 await self.pool_free(pool)
-            request = pb.AdoptPoolRequest(
-                pool=pool,
-                state=await self.export_pool(pool),
-                from_replica=self.me.replica_id,
-                claim_revision=claim.term,
-            )
+            state = await self.export_pool(pool)
             limit = max(HANDOVER_SECONDS, self.timeout)
             if deadline is not None:
                 limit = min(limit, deadline - asyncio.get_running_loop().time())
             async with self.peer_channel(target.address) as channel:
-                answer = await pb_grpc.ReplicasStub(channel).AdoptPool(  # type: ignore[no-untyped-call]
-                    request, timeout=limit, metadata=self.peer_metadata
+                answer = await send_state(
+                    channel,
+                    pb.AdoptPoolHeader(pool=pool, from_replica=self.me.replica_id, claim_revision=claim.term),
+                    state,
+                    self.max_message_bytes,
+                    limit,
+                    self.peer_metadata,
+                    f"{target.replica_id!r} at {target.address}",
                 )
+            del state  # (not held while the handover ends)
         except Exception as exc:  # noqa: BLE001 - the pool stays here, served again
+            self.handovers.failed(pool, target.replica_id, exc, self.clock())
             await self._settle_failed_handover(pool, claim.term, exc)
             return False
+        self.handovers.succeeded(pool)
         view.learned(pool, Claim(pool, target.replica_id, target.address, answer.term), answer.term)
         try:  # (the pool may be gone here already: the swap deposed a write of its journal, on_lost)
             if self.handed_over is not None:

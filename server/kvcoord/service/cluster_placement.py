@@ -6,7 +6,7 @@ pool handed over), and the servicer of the replicas' own service, which only tra
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 import cbor2
@@ -17,6 +17,7 @@ from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
 from .access import AccessControl
 from .cluster import Cluster
 from .errors import ErrorReason, ServiceError, Status, map_errors
+from .handover_parts import assemble, check_header
 from .registry import Placement, PoolRegistry
 from .tasks import CallCancelled, uncancelled
 
@@ -86,7 +87,7 @@ class ClusterPlacement(Placement):
         """The cluster stopped (its store client closed): a store call's failure says so."""
         return self.cluster.stopped
 
-    def _refuse_adopting(self, pool: str, from_replica: str, claim_revision: int) -> None:
+    def refuse_adopting(self, pool: str, from_replica: str, claim_revision: int) -> None:
         """Raise unless ``pool`` may be adopted here now (placement, claim, stopping)."""
         cluster = self.cluster
         if not cluster.view.may_adopt(pool, from_replica):
@@ -122,7 +123,7 @@ class ClusterPlacement(Placement):
         from .registry_state import adopt_leases, adopt_pool
 
         cluster, registry = self.cluster, self.registry
-        self._refuse_adopting(pool, from_replica, claim_revision)
+        self.refuse_adopting(pool, from_replica, claim_revision)
         if pool in cluster.adopting:
             raise ServiceError(Status.ABORTED, f"pool {pool[:200]!r} is being adopted already")
         cluster.adopting.add(pool)
@@ -130,7 +131,7 @@ class ClusterPlacement(Placement):
             ready = None
             try:
                 ready = await loaded_apart(state, None, registry.limits.max_tokens_per_request)
-                self._refuse_adopting(pool, from_replica, claim_revision)
+                self.refuse_adopting(pool, from_replica, claim_revision)
                 service = adopt_pool(registry, ready.value, ready.built)
                 adopt_leases(service, ready.value)  # (a replay of the journal's adopt record does not)
                 # records of an earlier instance of this journal the pool holds and this
@@ -406,4 +407,21 @@ class ReplicasServicer(pb_grpc.ReplicasServicer):
             request.pool, request.state, request.from_replica, request.claim_revision
         )
         self.created(request.pool)
+        return pb.AdoptPoolResponse(term=term)
+
+    @map_errors
+    async def AdoptPoolParts(
+        self, parts: AsyncIterator[pb.AdoptPoolPart], context: grpc.aio.ServicerContext
+    ) -> pb.AdoptPoolResponse:
+        """AdoptPool with the state in parts (handover_parts.py): the header is checked
+        (and whether the pool may be adopted here, before its pieces are read), the
+        pieces assembled and checked, then the pool adopted as AdoptPool's. A stream cut
+        or refused on the way adopts nothing."""
+        self.between_replicas(context, "AdoptPoolParts")
+        first = await anext(aiter(parts), None)
+        header = check_header(first, self.placement.cluster.max_message_bytes)
+        self.placement.refuse_adopting(header.pool, header.from_replica, header.claim_revision)
+        state = await assemble(parts, header)
+        term = await self.placement.adopt(header.pool, state, header.from_replica, header.claim_revision)
+        self.created(header.pool)
         return pb.AdoptPoolResponse(term=term)

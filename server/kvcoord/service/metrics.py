@@ -174,6 +174,18 @@ class _PoolCollector(Collector):
         yield from (usage, free, total, live, sessions, lookups, queries, hits, group_hits, short, evictions,
                     refusals, allocated, freed, events, owned)  # fmt: skip
         yield from reservations.values()
+        handovers = getattr(getattr(placement, "cluster", None), "handovers", None)
+        if handovers is not None:  # a cluster's replica
+            failed = CounterMetricFamily(
+                "kvcoord_handovers_failed",
+                "Handovers of a pool from this replica that failed (the pool stays here), by why: peer_release "
+                "(the peer's earlier release takes no state in parts and this one does not fit a message), "
+                "peer_limit (the peer refused it RESOURCE_EXHAUSTED), other.",
+                labels=["reason"],
+            )
+            for reason, n in handovers.failures.items():
+                failed.add_metric([reason], n)
+            yield failed
         clock = servicer.registry.sessions.clock if servicer is not None else None
         if isinstance(clock, LeaseClock):  # (its counts are read, not the clock: no read is a gap)
             yield CounterMetricFamily(

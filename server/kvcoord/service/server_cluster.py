@@ -65,6 +65,7 @@ def cluster_of(
     cluster = Cluster(c.endpoints, c.name, me, c.lease_seconds, c.store_timeout_seconds, registry.clock)
     cluster.local_pools = lambda: list(registry.pools)
     cluster.leave_seconds = cfg.server.grace_seconds
+    cluster.max_message_bytes = cfg.server.max_message_bytes
 
     async def export(pool: str) -> bytes:  # the pool is moving: its state is the handover's
         return await pool_encoded(
@@ -84,12 +85,12 @@ def cluster_of(
     cluster.on_term = registry.set_term
     if c.journal == "store":
         store_journal(cfg, cluster, registry, servicer)
-    if cfg.server.auth_tokens:  # AdoptPool needs full access: the first full-access token
+    if cfg.server.auth_tokens:  # AdoptPool(Parts) needs full access: the first full-access token
         cluster.peer_metadata = (("authorization", f"Bearer {cfg.server.auth_tokens[0]}"),)
     elif access.required:
         raise ClusterError(
             "[cluster] with tenants needs a full-access token in server.auth_tokens: the replicas "
-            "hand pools over to each other with it (Replicas.AdoptPool)"
+            "hand pools over to each other with it (Replicas.AdoptPool, AdoptPoolParts)"
         )
     if not cfg.server.tls.enabled and c.peer_tls != PeerTLS():
         raise ClusterError("cluster.peer_tls is set, but [server.tls] is off: the replicas serve plaintext")

@@ -7,9 +7,11 @@ mutation of the pool too (the reservation holds blocks of its engine and is jour
 but it scored and reserved in every pool whose claim the replica still held, moving or
 not: the reservation was made in the old owner's copy after that copy's state had
 been sent, the router was answered with it, and the new owner, serving the state it was
-sent, never had it (the blocks it held were free there). Now the best pool's
-reservation is refused like any other call of a moving pool (UNAVAILABLE,
-OWNER_CHANGING: the router retries), and nothing is held in the old owner's copy.
+sent, never had it (the blocks it held were free there). Then the best pool's
+reservation was refused like any other call of a moving pool (UNAVAILABLE,
+OWNER_CHANGING); now a pool being handed over is not scored by its old owner at all
+(unscored, OWNER_UNREACHABLE: test_score_owner_changes.py), so it is never its best
+pool there, and nothing is held in the old owner's copy.
 
 Real etcd, two real ``kvcoord serve`` replicas, both journal modes. A server hook
 (durable_server.with_sitecustomize) holds the adopter's AdoptPool, before it loads
@@ -24,7 +26,6 @@ import durable_server
 import pytest
 from etcd_process import Etcd
 from kvcoord.client import NO_RETRY, KVCoordClient, KVCoordError
-from kvcoord.client.errors import OwnerChangingError
 from kvcoord.client.testing import ServerProcess, start_server
 from kvcoord.v1 import allocator_pb2 as pb
 from service.helpers import allocate, hashes
@@ -75,8 +76,8 @@ def test_a_reservation_is_not_made_in_a_pool_being_handed_over(
     journal: str,
 ) -> None:
     """a holds the pool (r1 cached: a hit of 8 tokens); b joins and a hands the pool
-    over; b's AdoptPool waits. A reserving ScorePools at a then must be refused
-    (OWNER_CHANGING), not answered with a reservation b never gets; once b serves the
+    over; b's AdoptPool waits. A reserving ScorePools at a then must not be answered with
+    a reservation b never gets (the pool is unscored there, nothing reserved); once b serves the
     pool, r1 is there, the reservation made before the handover is held there for the
     rest of its time (was: released by b's reaper at once, its lease not sent), and a
     new request is given none of r1's blocks."""
@@ -98,7 +99,9 @@ def test_a_reservation_is_not_made_in_a_pool_being_handed_over(
         )
         _until(lambda: Path(f"{hold}.entered").exists() or None, 30, "a sent the pool to b")
         during = _reserve(a.address, pool)  # the pool is moving: a's state of it was sent
-        assert isinstance(during, OwnerChangingError), during
+        assert isinstance(during, pb.ScorePoolsResponse), during
+        assert not during.HasField("reservation") and not during.scores, during
+        assert [(u.pool, u.reason) for u in during.unscored] == [(pool, "OWNER_UNREACHABLE")], during
         hold.unlink()
 
         assert _until(lambda: _served([b.address], pool), 30, "b serves the pool") == acknowledged

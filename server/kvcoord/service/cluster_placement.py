@@ -197,6 +197,13 @@ class ClusterPlacement(Placement):
     def serves(self, pool: str) -> bool:
         return self.cluster.view.holds(pool)
 
+    def settled(self, pool: str) -> bool:
+        """Held here and not being handed over: from the claim's swap to the handover's
+        answer the copy here is the old owner's, and the new owner may have changed the
+        pool since (was: scored from that copy, hits and free blocks it no longer had)."""
+        view = self.cluster.view
+        return view.holds(pool) and pool not in view.moving
+
     def term(self, pool: str) -> int:
         """The term of this replica's claim of ``pool`` (0: none held), whether or not the
         replica is sure of its lease at this moment: a pool made right after its claim,

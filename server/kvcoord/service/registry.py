@@ -65,6 +65,11 @@ class Placement:
     def serves(self, pool: str) -> bool:
         return True
 
+    def settled(self, pool: str) -> bool:
+        """This server serves ``pool`` and it is not changing owner: its state here is the
+        pool's, and a read of it (a score) may be answered from it."""
+        return self.serves(pool)
+
     def term(self, pool: str) -> int:
         """The pool's ownership term here (0: a single node)."""
         return 0
@@ -182,6 +187,11 @@ class PoolRegistry:
         """The pools this server serves, by name (every pool on a single node)."""
         placement = self.placement
         return {n: p for n, p in self.pools.items() if placement.serves(n)}
+
+    def settled(self) -> dict[str, PoolService]:
+        """The pools this server serves that are not changing owner (ScorePools scores these)."""
+        placement = self.placement
+        return {n: p for n, p in self.pools.items() if placement.settled(n)}
 
     def create(
         self,

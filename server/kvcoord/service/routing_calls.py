@@ -117,7 +117,7 @@ class RoutingCalls(ServicerCore):
                 if kept is not None:  # a retry: the first answer, nothing reserved again
                     return kept, True, None
         scores = score_pools(
-            self.registry.served(),
+            self.registry.settled(),  # (a cluster's pool changing owner: unscored, score_peers.py)
             # full access holds every role: no check per pool (64 pools: about 30 us)
             _everywhere if tenant.full_access else lambda pool: self.access.holds(tenant, Role.OBSERVE, pool),
             list(request.candidate_pools),

@@ -130,12 +130,7 @@ class ClusterScores:
         """
         view = self.cluster.view
         me = view.me.replica_id
-        if not view.lease_valid:
-            raise ServiceError(
-                Status.UNAVAILABLE,
-                f"replica {me!r} cannot reach the cluster store: it scores no pool until its membership "
-                "lease is renewed (retry; another replica answers)",
-            )
+        _lease_held(self.cluster)
         here = set(self.served())
         if candidates:
             if len(set(candidates)) != len(candidates):
@@ -204,7 +199,7 @@ class ClusterScores:
         try:
             if asked:
                 await asyncio.sleep(0)  # the owners' calls sent first: this replica's part meanwhile
-            parts = [here(tenant, _part(request, local, False))[0]] if local else []
+            parts = [self._here_now(tenant, _part(request, local, False), here)[0]] if local else []
             parts.extend(await asyncio.gather(*asked))
         finally:
             for task in asked:
@@ -222,7 +217,7 @@ class ClusterScores:
                 best = scores.pop(0)
                 ask = _part(request, [best.pool], True)
                 if best.pool in local:  # (kept under the key as a part, as an owner keeps it)
-                    held, record = here(tenant, ask)
+                    held, record = self._here_now(tenant, ask, here)
                 else:
                     left = PEER_SCORE_SECONDS if deadline is None else deadline - loop.time()
                     held = await self._reserve_at(
@@ -239,6 +234,23 @@ class ClusterScores:
         answer.scores.extend(scores)
         answer.unscored.extend(sorted(unscored, key=lambda u: u.pool))
         return answer, record
+
+    def _here_now(
+        self, tenant: Tenant, part: pb.ScorePoolsRequest, here: ScoredHere
+    ) -> tuple[pb.ScorePoolsResponse, Record]:
+        """``here`` over the candidates of ``part`` this replica still serves, the others
+        unscored as an owner names them: the call awaited since its plan (a turn of the
+        loop; the other owners' parts before a reservation), and a pool may have begun
+        changing owner meanwhile (was: NOT_FOUND, "does not exist", for a pool handed over,
+        or for every pool once the lease lapsed).
+
+        Raises:
+            ServiceError: UNAVAILABLE when this replica's lease may have ended meanwhile.
+        """
+        _lease_held(self.cluster, during=True)
+        ask, moved = _split(part, self.served(), self.cluster.me.replica_id)
+        answer, record = (None, None) if ask is None else here(tenant, ask)
+        return _with_moved(answer, part, moved), record
 
     async def _ask(
         self, address: str, tenant: Tenant, part: pb.ScorePoolsRequest, wait: float, pools: Sequence[str]
@@ -330,21 +342,52 @@ class ScoringReplicas(ReplicasServicer):
             )
         part = request.request
         self.access.authorize(tenant, "ScorePools", part)  # the observe role on each candidate
-        here = set(self.served())
-        mine = [p for p in part.candidate_pools if p in here]
-        moved = _unreachable(
-            [p for p in part.candidate_pools if p not in here],
-            f"replica {self.placement.replica_id!r} no longer serves the pool (it is changing owner): "
-            "score again shortly",
+        # (served() is empty once the lease may have ended: every candidate unscored)
+        ask, moved = _split(part, self.served(), self.placement.replica_id)
+        return _with_moved(None if ask is None else await self.score_here(tenant, ask), part, moved)
+
+
+def _lease_held(cluster: Cluster, during: bool = False) -> None:
+    """Raises:
+    ServiceError: UNAVAILABLE when this replica's lease may have ended (its view of the
+        cluster cannot be trusted: it scores no pool, its own included); ``during``:
+        since the call began (it was planned under a valid lease).
+    """
+    if not cluster.view.lease_valid:
+        when = "its membership lease may have ended during the call" if during else "its lease is not renewed"
+        raise ServiceError(
+            Status.UNAVAILABLE,
+            f"replica {cluster.me.replica_id!r} cannot reach the cluster store ({when}): it scores and "
+            "reserves no pool until its membership lease is renewed (retry; another replica answers)",
         )
-        if mine:
-            answer = await self.score_here(tenant, _part(part, mine, True))
-        else:
-            answer = pb.ScorePoolsResponse()
-            if part.reserve_seconds:
-                answer.reservation_skipped = "the best pool is no longer served by its owner"
-        if moved:
-            unscored = sorted([*answer.unscored, *moved], key=lambda u: u.pool)
-            del answer.unscored[:]
-            answer.unscored.extend(unscored)
-        return answer
+
+
+def _split(
+    part: pb.ScorePoolsRequest, served: Sequence[str], me: str
+) -> tuple[pb.ScorePoolsRequest | None, list[pb.UnscoredPool]]:
+    """``part`` narrowed to the candidates this replica serves now, unchanging (None:
+    none), and the others unscored (handed over, or being handed over: the copy here may
+    not be the pool's any more)."""
+    now = set(served)
+    mine = [p for p in part.candidate_pools if p in now]
+    moved = _unreachable(
+        [p for p in part.candidate_pools if p not in now],
+        f"replica {me!r} no longer serves the pool (it is changing owner): score again shortly",
+    )
+    return (_part(part, mine, True) if mine else None), moved
+
+
+def _with_moved(
+    answer: pb.ScorePoolsResponse | None, part: pb.ScorePoolsRequest, moved: list[pb.UnscoredPool]
+) -> pb.ScorePoolsResponse:
+    """The answer of :func:`_split`'s narrowed part (None: nothing was asked) with the
+    pools it left out named unscored."""
+    if answer is None:
+        answer = pb.ScorePoolsResponse()
+        if part.reserve_seconds:
+            answer.reservation_skipped = "the best pool is no longer served by its owner"
+    if moved:
+        unscored = sorted([*answer.unscored, *moved], key=lambda u: u.pool)
+        del answer.unscored[:]
+        answer.unscored.extend(unscored)
+    return answer

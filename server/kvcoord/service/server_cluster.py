@@ -101,12 +101,13 @@ def cluster_of(
     placement = ClusterPlacement(cluster, registry)
     registry.placement = placement
     # ScorePools answers for every pool of the cluster: each other owner is asked for its part
-    servicer.score_peers = ClusterScores(cluster, access, lambda: list(registry.served()))
+    # (a pool being handed over is not scored: its copy here may be behind its new owner's)
+    servicer.score_peers = ClusterScores(cluster, access, lambda: list(registry.settled()))
     peers = ScoringReplicas(
         placement,
         access,
         lambda pool: servicer.observer.pool_created(registry.pools[pool]),
-        lambda: list(registry.served()),
+        lambda: list(registry.settled()),
         servicer.score_here,
     )
     pb_grpc.add_ReplicasServicer_to_server(peers, server)

@@ -48,14 +48,31 @@ class RoutingCalls(ServicerCore):
         if not remote and not lost and not request.reserve_seconds:  # every pool is here: as a single node
             return await self._score_here(tenant, request)
         digest = b""
+        chosen = ""  # the pool an earlier try of this key asked its owner to reserve ("": none)
         if request.reserve_seconds and request.idempotency_key:
             digest, kept = self.mutations.kept_unjournaled(
                 score_key_owner(tenant.name), "ScorePools", request, pb.ScorePoolsResponse
             )
             if kept is not None:  # a retry: the first answer, nothing reserved again
                 return await self._durable(kept)
+            _, choice = self.mutations.kept_unjournaled(
+                _choice_key_owner(tenant), "ScorePools", request, pb.ScorePoolsResponse
+            )
+            chosen = "" if choice is None else choice.reservation.pool
+
+        def choose(pool: str) -> None:
+            # kept before the owner is asked (its answer may be lost): a retry asks that
+            # owner again, whose kept part answers it (was: scored again, and the first
+            # reservation's held blocks, no longer free, could rank another pool first,
+            # reserved too)
+            if digest and not chosen:
+                choice = pb.ScorePoolsResponse(reservation=pb.Reservation(pool=pool))
+                self.mutations.keep_unjournaled(
+                    _choice_key_owner(tenant), "ScorePools", request, digest, choice
+                )
+
         response, record = await peers.score(
-            tenant, request, plan, self.scored_here, context.time_remaining()
+            tenant, request, plan, self.scored_here, context.time_remaining(), chosen, choose
         )
         if digest and response.HasField("reservation"):
             # kept before the wait (as a single node's): a retry after a cancel or a
@@ -170,6 +187,13 @@ def _part_key_owner(tenant: Tenant) -> str:
     finds the caller's call new here, and its reservation part kept). Unjournaled like
     :func:`score_key_owner` (it starts alike); no tenant name holds a NUL."""
     return score_key_owner(tenant.name) + "\x00part"
+
+
+def _choice_key_owner(tenant: Tenant) -> str:
+    """Whose the key is under which a cluster's reserving ScorePools keeps the pool it asks
+    another owner to reserve, until that owner answers (unjournaled, apart from the
+    caller's own answers under the key: :func:`_part_key_owner`)."""
+    return score_key_owner(tenant.name) + "\x00choice"
 
 
 def _everywhere(_pool: str) -> bool:

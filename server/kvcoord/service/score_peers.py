@@ -17,7 +17,9 @@ With ``reserve_seconds`` the best pool of the merged answer is reserved on its o
 second call there naming it alone, under the caller's idempotency key (kept apart from
 the caller's own calls: RoutingCalls._part_key_owner), so exactly one reservation is
 made, and a keyed retry reaching any replica that picks the same pool gets the same
-one. Its fresh score replaces the one read before.
+one; the replica that asked keeps the pool under the key before it asks (the caller's
+RoutingCalls._choice_key_owner), so a retry reaching it asks that pool again, whatever
+the scores say then. Its fresh score replaces the one read before.
 
 What a tenant sees is decided as for a single server: the observe role, by pool name
 (every replica holds the same tenants), is checked here for every pool of the cluster
@@ -176,17 +178,23 @@ class ClusterScores:
         plan: tuple[list[str], dict[str, list[str]], list[pb.UnscoredPool]],
         here: ScoredHere,
         time_remaining: float | None,
+        chosen: str = "",
+        choose: Callable[[str], None] = lambda _pool: None,
     ) -> tuple[pb.ScorePoolsResponse, Record]:
         """The merged answer of every part of ``plan`` (:meth:`plan`), and with
         ``reserve_seconds`` the reservation of its best pool on that pool's owner; with
         the journal record of a reservation made here (the caller writes it, keeps the
-        answer under the caller's key and answers once durable).
+        answer under the caller's key and answers once durable). ``choose`` is told the
+        pool before its owner is asked to reserve it (the caller keeps it under the key);
+        ``chosen``: the pool an earlier try of the call asked for, reserved again whatever
+        the scores say now (its owner answers from its kept part: one reservation).
 
         Raises:
             ServiceError: what a single server raises for the request (a part's
                 INVALID_ARGUMENT, the reservation's refusals); UNAVAILABLE when the best
                 pool's owner cannot be reached for its reservation (its outcome is
-                unknown: retry with the same idempotency key).
+                unknown: retry with the same idempotency key), or the pool ``chosen``
+                was not scored now.
         """
         local, remote, lost = plan
         loop = asyncio.get_running_loop()
@@ -209,16 +217,18 @@ class ClusterScores:
         answer = pb.ScorePoolsResponse()
         record: Record = None
         if request.reserve_seconds:
-            if not scores or not scores[0].hit_tokens:
+            at = _chosen_at(scores, chosen)
+            if not chosen and (not scores or not scores[0].hit_tokens):
                 answer.reservation_skipped = (
                     "no pool was scored" if not scores else f"the best pool {scores[0].pool!r} has no hit"
                 )
             else:
-                best = scores.pop(0)
+                best = scores.pop(at)
                 ask = _part(request, [best.pool], True)
                 if best.pool in local:  # (kept under the key as a part, as an owner keeps it)
                     held, record = self._here_now(tenant, ask, here)
                 else:
+                    choose(best.pool)
                     left = PEER_SCORE_SECONDS if deadline is None else deadline - loop.time()
                     held = await self._reserve_at(
                         remote, best.pool, tenant, ask, min(PEER_SCORE_SECONDS, left)
@@ -345,6 +355,25 @@ class ScoringReplicas(ReplicasServicer):
         # (served() is empty once the lease may have ended: every candidate unscored)
         ask, moved = _split(part, self.served(), self.placement.replica_id)
         return _with_moved(None if ask is None else await self.score_here(tenant, ask), part, moved)
+
+
+def _chosen_at(scores: Sequence[pb.PoolScore], chosen: str) -> int:
+    """Where the pool ``chosen`` is among ``scores`` (0 when none was chosen).
+
+    Raises:
+        ServiceError: UNAVAILABLE when it is not scored now (its owner did not answer).
+    """
+    if not chosen:
+        return 0
+    at = next((i for i, s in enumerate(scores) if s.pool == chosen), None)
+    if at is None:
+        raise ServiceError(
+            Status.UNAVAILABLE,
+            f"an earlier try of this call asked pool {chosen[:200]!r} for its reservation, which may or may "
+            "not be made, and the pool is not scored now (its owner did not answer): retry with the same "
+            "idempotency key",
+        )
+    return at
 
 
 def _lease_held(cluster: Cluster, during: bool = False) -> None:

@@ -272,6 +272,13 @@ class ClusterScores:
             told = _told(exc)
             if told is not None:
                 raise told from None
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:  # it answered: it cannot score for others
+                why = (
+                    f"the pool's owner at {address} runs an earlier kvcoord release, without "
+                    "Replicas.ScoreForTenant (a rolling upgrade): its pools are scored by the replica reached "
+                    "once that owner is upgraded; until then ScorePools sent to it scores them"
+                )
+                return pb.ScorePoolsResponse(unscored=_unreachable(pools, why))
             why = f"{exc.code().name}: {(exc.details() or '')[:200]}"
         except (TimeoutError, OSError) as exc:
             why = type(exc).__name__

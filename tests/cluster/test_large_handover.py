@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import durable_server
+import earlier_release
 import grpc
 import pytest
 from durable_server import free_port
@@ -281,28 +282,6 @@ if hold:  # this replica's AdoptPoolParts waits after the first piece while the 
         return await assemble(held(), header)
 
     hp.assemble = _assemble
-
-if os.environ.get("KVCOORD_TEST_OLD_RELEASE"):  # a Replicas service without AdoptPoolParts
-    import grpc
-    from kvcoord.v1 import allocator_pb2 as pb
-    from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
-
-    def _old_release(servicer, server):
-        handlers = {
-            "AdoptPool": grpc.unary_unary_rpc_method_handler(
-                servicer.AdoptPool,
-                request_deserializer=pb.AdoptPoolRequest.FromString,
-                response_serializer=pb.AdoptPoolResponse.SerializeToString,
-            ),
-            "ScoreForTenant": grpc.unary_unary_rpc_method_handler(
-                servicer.ScoreForTenant,
-                request_deserializer=pb.ScoreForTenantRequest.FromString,
-                response_serializer=pb.ScorePoolsResponse.SerializeToString,
-            ),
-        }
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("kvcoord.v1.Replicas", handlers),))
-
-    pb_grpc.add_ReplicasServicer_to_server = _old_release
 """
 
 
@@ -315,7 +294,7 @@ def test_a_sender_killed_mid_stream_leaves_the_pool_served_once(
     over from the store: served once, by r1, every block as acknowledged."""
     name = request.node.name.replace("[", "-").rstrip("]")
     pool = placed("big", "r1", IDS)
-    durable_server.with_sitecustomize(tmp_path, HOLD, monkeypatch)
+    durable_server.with_sitecustomize(tmp_path, HOLD + earlier_release.HOOK, monkeypatch)
     hold = tmp_path / "hold"
     hold.touch()
     procs: list[ServerProcess] = []
@@ -363,14 +342,14 @@ def test_a_replica_of_the_previous_release_gets_small_pools_and_a_large_one_fail
     passes at least every lease, 2 s here) but only after a pause."""
     name = request.node.name.replace("[", "-").rstrip("]")
     small, large = placed("small", "r1", IDS), placed("big", "r1", IDS)
-    durable_server.with_sitecustomize(tmp_path, HOLD, monkeypatch)
+    durable_server.with_sitecustomize(tmp_path, HOLD + earlier_release.HOOK, monkeypatch)
     procs: list[ServerProcess] = []
     try:
         procs.append(_start(etcd, "r0", tmp_path, name, "local", metrics=True))
         small_filled = _fill(procs[0].address, small, small=True)
         large_filled = _fill(procs[0].address, large)
         e = durable_server.env()
-        e["KVCOORD_TEST_OLD_RELEASE"] = "1"
+        e.update(earlier_release.env_of("AdoptPool", "ScoreForTenant"))
         procs.append(_start(etcd, "r1", tmp_path, name, "local", env=e))
         _until(
             lambda: claims(etcd, name).get(small) == "r1", f"small pool not moved: {procs[0].log()[-3000:]}"

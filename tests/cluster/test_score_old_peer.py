@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import durable_server
+import earlier_release
 import pytest
 from etcd_process import Etcd
 from kvcoord.client import NO_RETRY, KVCoordClient
@@ -22,27 +23,6 @@ from test_replicas import placed, replica_config
 from test_score_cluster import PROMPT, _cache, _prompt
 from test_score_reserve_retry import created_and_placed
 
-HOOK = """
-import os
-
-if os.environ.get("KVCOORD_TEST_EARLIER_RELEASE"):  # Replicas served without ScoreForTenant: UNIMPLEMENTED
-    import grpc
-    from kvcoord.v1 import allocator_pb2 as pb
-    from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
-
-    def _without_score_for_tenant(servicer, server):
-        handlers = {
-            "AdoptPool": grpc.unary_unary_rpc_method_handler(
-                servicer.AdoptPool,
-                request_deserializer=pb.AdoptPoolRequest.FromString,
-                response_serializer=pb.AdoptPoolResponse.SerializeToString,
-            )
-        }
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("kvcoord.v1.Replicas", handlers),))
-
-    pb_grpc.add_ReplicasServicer_to_server = _without_score_for_tenant
-"""
-
 IDS = ["new", "old"]
 NEW, OLD = placed("upgrade", "new", IDS), placed("upgrade", "old", IDS)
 
@@ -50,11 +30,11 @@ NEW, OLD = placed("upgrade", "new", IDS), placed("upgrade", "old", IDS)
 def test_an_owner_of_an_earlier_release_is_named_as_such(
     etcd: Etcd, tmp_path: Path, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    durable_server.with_sitecustomize(tmp_path, HOOK, monkeypatch)
+    durable_server.with_sitecustomize(tmp_path, earlier_release.HOOK, monkeypatch)
     procs: list[ServerProcess] = []
     try:
         for r in IDS:
-            extra = {"KVCOORD_TEST_EARLIER_RELEASE": "1"} if r == "old" else {}
+            extra = earlier_release.env_of("AdoptPool") if r == "old" else {}
             config = replica_config(etcd, r, tmp_path / r, request.node.name)
             procs.append(start_server(config, env={**durable_server.env(), **extra}))
         new, old = procs

@@ -53,6 +53,30 @@ def kvcoord(*args: str, **extra_env: str) -> subprocess.CompletedProcess[str]:
     )  # fmt: skip
 
 
+def started_for_sigint(args: list[str], **popen: Any) -> subprocess.Popen[Any]:
+    """``args`` started as a shell starts a foreground command: SIGINT at its default, so
+    Python installs its KeyboardInterrupt handler. A test run started as a background job
+    of a non-interactive shell (``scripts/test.sh > log &``) has SIGINT ignored, an ignored
+    signal stays ignored through exec, and Python then leaves it ignored (what a background
+    job asks for): the test's SIGINT never arrived and the CLI ran until killed ("SIGINT
+    did not end it" with nothing on stderr, citime2 and citime3). A handled signal is reset
+    to its default by exec, so SIGINT is handled here for the moment of the start (a test
+    runs on pytest's main thread, the only one that may set a handler)."""
+    ignored = signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    if ignored:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen(args, **popen)
+    finally:
+        if ignored:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Popen returns after the exec: the mask read here is the command's own
+    for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines():
+        if line.startswith("SigIgn:"):
+            assert not int(line.split()[1], 16) & (1 << (signal.SIGINT - 1)), f"{args}: SIGINT ignored"
+    return proc
+
+
 def one_line_error(proc: subprocess.CompletedProcess[str]) -> str:
     """The error a command printed: exactly one line, no traceback."""
     assert "Traceback" not in proc.stderr, proc.stderr
@@ -318,7 +342,7 @@ def test_events_follow_resumes_across_a_server_restart(tmp_path: Path) -> None:
     state = tmp_path / "follow.json"
     e = env()
     e.update(KVCOORD_TARGET=srv.address)
-    proc = subprocess.Popen(
+    proc = started_for_sigint(
         [sys.executable, "-m", "kvcoord.client.cli", "events", "--pool", "p", "--follow", "--json",
          "--state-file", str(state)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=e,
@@ -430,7 +454,7 @@ def test_events_follow_stops_on_sigint_wherever_it_waits(tmp_path: Path) -> None
     try:
         for name in names:  # stdout and stderr to files: no pipe fills up unread
             with open(tmp_path / f"{name}.out", "wb") as out, open(tmp_path / f"{name}.err", "wb") as err:
-                procs[name] = subprocess.Popen(
+                procs[name] = started_for_sigint(
                     [sys.executable, "-m", "kvcoord.client.cli", "events", "--pool", "p", "--follow"],
                     stdout=out, stderr=err, env=e,
                 )  # fmt: skip

@@ -35,6 +35,22 @@ servicer_core.ServicerCore.reap_expired_sessions = lambda self: 0
 """
 
 
+def _until_run_out(c: KVCoordClient, session_id: str) -> None:
+    """Wait until the server counts ``session_id``'s lease run out (ListSessions: 0 s or
+    less left, on its lease clock, which leaves out any gap of more than 0.5 s in which
+    its process did not run: lease_clock.py). A fixed 1.5 leases of sleep fell short of
+    that when the loaded server lost the CPU for a second: the Step then found a live
+    session. The bound is on a hang only."""
+    deadline = time.monotonic() + 120
+    while True:
+        left = [s.expires_in_seconds for s in c.list_sessions("p").sessions if s.session_id == session_id]
+        assert left, "the session ended before its Step (nothing reaps here)"
+        if left[0] < 0:
+            return
+        assert time.monotonic() < deadline, f"the lease never ran out: {left[0]} s left"
+        time.sleep(0.05)
+
+
 def test_a_step_told_session_expired_sees_no_session_after_a_kill(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -47,7 +63,7 @@ def test_a_step_told_session_expired_sees_no_session_after_a_kill(
             free = c.inspect_pool("p").num_free_blocks
             step_allocate(c, old, "r", 16)
             assert c.inspect_pool("p").num_free_blocks == free - 4  # (held while the session lives)
-            time.sleep(LEASE * 1.5)  # the lease runs out (the server's clock is monotonic too)
+            _until_run_out(c, old.session_id)
             with pytest.raises(SessionExpiredError):
                 step_allocate(c, old, "late", 4)
         server.kill()  # right after the answer

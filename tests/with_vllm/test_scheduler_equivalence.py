@@ -249,6 +249,12 @@ def run_both(
             trace=decided,
         )
     except FailedPreconditionError as err:
+        # (its session ended and its pool deleted: else its keeper renews on, a thread of
+        # this process, and once the server stops warns "session renewal failed" into
+        # every later test's log; and the pool counts toward the server's 64)
+        remote.shutdown()
+        with KVCoordClient(server.address) as c:
+            c.delete_pool(remote.kv_cache_manager.remote.pool)
         # vLLM 0.16.0 put a block in two groups' tables (a connector's external tokens
         # beside a later group's free hit block): kvcoord refuses there (the callers check)
         if V033 or err.reason != "HIT_BLOCK_TAKEN":

@@ -121,6 +121,18 @@ class Subscriber:
         self.sub.setsockopt(zmq.SUBSCRIBE, self.topic)
         self.sub.connect(self.endpoint)
 
+    def subscribed(self) -> None:
+        """Wait until the publisher answers this first subscription (an empty batch under
+        the next number, 0 on a fresh pool: nothing was missed) and apply it. A batch
+        published before the subscription reached the publisher never reaches this
+        subscriber: a fixed 0.3 s was the wait, which a loaded machine can outlast
+        (then the first batch read is not number 0). The bound is on a hang only."""
+        assert self.sub is not None
+        assert self.sub.poll(120_000), "the subscription was never answered"
+        topic, seq_bytes, payload = self.sub.recv_multipart()
+        assert topic == self.topic
+        self.apply(int.from_bytes(seq_bytes, "big"), payload)
+
     def disconnect(self) -> None:
         assert self.sub is not None
         self.sub.close(linger=0)
@@ -257,6 +269,7 @@ def test_subscriber_index_equals_the_pool_after_every_step(events_server: InProc
     publisher = server.running.publishers.publishers["hy"]  # type: ignore[union-attr]
     ctx = zmq.Context.instance()
     sub = Subscriber(ctx, publisher.endpoint, publisher.replay_endpoint, b"kv@hy")
+    sub.subscribed()  # (before the stalled one's: its answer takes the next number)
     stalled = ctx.socket(zmq.SUB)
     stalled.setsockopt(zmq.RCVHWM, 1)
     stalled.setsockopt(zmq.LINGER, 0)
@@ -329,7 +342,7 @@ def test_a_subscriber_follows_the_pool_across_server_restarts(tmp_path: Path) ->
     server = DurableServer(tmp_path, toml)
     server.start()
     sub = Subscriber(zmq.Context.instance(), f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}", b"kv@hy")
-    time.sleep(0.3)
+    sub.subscribed()
     rnd = random.Random(5)
     prefixes = [[rnd.randrange(100) for _ in range(n)] for n in (12, 24, 40)]
     try:
@@ -525,7 +538,7 @@ def test_a_pool_created_again_is_announced_as_cleared(events_server: InProcessSe
     server = events_server
     publisher = server.running.publishers.publishers["hy"]  # type: ignore[union-attr]
     sub = Subscriber(zmq.Context.instance(), publisher.endpoint, publisher.replay_endpoint, b"kv@hy")
-    time.sleep(0.3)
+    sub.subscribed()
     try:
         with KVCoordClient(server.address, timeout=10) as client:
             cfg = client.get_pool("hy").pool.config

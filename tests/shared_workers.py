@@ -69,7 +69,8 @@ def shared_worker(address: str | Sequence[str], pool: str, wid: int, steps: int,
     now and then evicts a block id (as a failed KV load does). ``token``: its tenant's
     (``tenant`` names it in the KV memory); ``admin``: the token that inspects the pool;
     ``route``: called with each new request before its first allocation (a router);
-    ``retry``: its client's policy (a server restarted under it: one that outlasts a restart)."""
+    ``retry``: its clients' policy, the manager's and the one reading the server's tables
+    after every step (a server restarted under it: one that outlasts a restart)."""
     rnd = random.Random(100 + wid)
     # the same prefixes in every worker: they hit each other's blocks
     prefixes = [[random.Random(7 + i).randrange(50) for _ in range(n)] for i, n in enumerate((0, 8, 13, 24))]
@@ -77,7 +78,7 @@ def shared_worker(address: str | Sequence[str], pool: str, wid: int, steps: int,
     injectors.append(fi)
     with (
         KVCoordClient(address, interceptors=[fi], token=token, retry=retry) as c,
-        KVCoordClient(address, token=admin) as plain,
+        KVCoordClient(address, token=admin, retry=retry) as plain,  # (its reads meet restarts too)
     ):
         m = RemoteKVCacheManager(c, pool, hash_seed="0", client_name=f"w{wid}")
         live: dict[str, Req] = {}

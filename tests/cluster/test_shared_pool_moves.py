@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from durable_server import env
+from durable_workload import PATIENT
 from etcd_process import Etcd
 from kvcoord.client import KVCoordClient
 from kvcoord.client.faults import FaultInjector
@@ -106,7 +107,21 @@ def test_a_shared_pool_handed_back_and_forth_under_faults_keeps_every_workers_bl
 
         def worker(wid: int) -> None:
             tenant = "alice" if wid % 2 == 0 else "bob"  # the same prompts: kept apart by namespace
-            shared_worker(targets, pool, wid, 90, memory, counts, injectors, tenant, TENANTS[tenant], ROOT)
+            # (patient: with journal = "local" the pool waits for r2 SIGKILLed and started
+            # again, which took 20-35 s at load 25-30, past the default policy's 8 attempts)
+            shared_worker(
+                targets,
+                pool,
+                wid,
+                90,
+                memory,
+                counts,
+                injectors,
+                tenant,
+                TENANTS[tenant],
+                ROOT,
+                retry=PATIENT,
+            )
 
         run_beside(worker, 3, churn, done)
         with KVCoordClient(targets, token=ROOT) as c:

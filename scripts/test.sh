@@ -16,19 +16,31 @@
 # ephemeral ports (free_port(), port 0) and per-test temporary
 # directories (tmp_path; etcd per module), so no test needs a group. `--dist worksteal`: the
 # slow tests (SIGKILL/restart loops of minutes) sit next to each other in collection
-# order; an idle worker takes tests queued on a busy one instead of waiting. tests/cluster
+# order; an idle worker takes tests queued on a busy one instead of waiting (tests
+# marked `long` would start first on every worker: tests/long_first.py; none outside
+# tests/cluster is marked: in the one run with them first, two tests/service/test_cli.py
+# tests failed, cause not known). tests/cluster
 # runs after the rest, alone: its replicas hold ownership leases of a few seconds
 # in a real etcd, and beside 4 busy workers a pool being rebuilt by another replica
 # outlasted a client's 5 s retry budget (test_failover.py failed once in two parallel
-# runs). It is mostly waiting (serially 518 s of wall time for 135 s of CPU on a
-# loaded machine), so it runs on 2 workers of its own, `--dist loadfile`: a module's tests
-# stay on one worker, in order, with the module's etcd (one per module and worker, on
-# ports of its own; each test names its own cluster in it, so none depends on another).
+# runs). It waits more than it computes: on 2 workers (CI at fd659a57: 395 s) a third of
+# the 2 cores stood idle (/proc/stat), so it runs on 4 workers of its own (its SIGSTOPs
+# wait until every thread has stopped: tests/stopping.py), `--dist loadfile`: a module's
+# tests stay on one worker, in order, with the module's etcd (one per module and worker,
+# on ports of its own; each test names its own cluster in it, so none depends on
+# another); `--no-loadscope-reorder`: the files holding a test marked `long` are handed
+# out first (xdist would sort the files by their number of tests, and its 115 s file
+# with 2 tests started late). Measured back to back on this machine beside other jobs
+# (load averages 5-12): 2 workers as before 497 s (277 s of CPU), 4 workers 262 s (300 s of
+# CPU; 305 s with the files in name order); every test passed in every run.
 #
-# Where the time goes (CI at 84d54c9, 1,946-1,977 s): `pytest tests` 498 s, tests/cluster
-# 242 s, the vLLM runs 1,026 s (0.16.0 done after 532 s), the container suite 131 s, one
-# after the other. Measured here (user + system time, children included, 2 workers):
-# 0.16.0's run is 550 s of CPU, 0.33.0's 1,114 s (1,079 s in its tests, 7 s per worker
+# Where the time goes (CI at fd659a57, 2,214 s): `pytest tests` 618 s, tests/cluster 395 s
+# (on 2 workers), the vLLM runs 1,193 s (0.16.0 done after 896 s), the container suite
+# 224 s beside 0.33.0's last part. /proc/stat gave the 2 cores idle 4.8 % of the first,
+# 35 % of the second and 0.2-1.1 % of the vLLM runs: outside tests/cluster the suite is
+# CPU-bound, its wall time about its CPU time (3,900 s) over 2 cores. (At 84d54c9,
+# 1,946-1,977 s: 498 s, 242 s, 1,026 s, 131 s.) Measured here (user + system time,
+# children included, 2 workers): 0.16.0's run is 550 s of CPU, 0.33.0's 1,114 s (1,079 s in its tests, 7 s per worker
 # in imports and collection; no fixed cost per test worth sharing: a vLLM config takes
 # 4 ms, a server process's start 0.35 s). In CI's 1,026 s the 2 cores gave 2,052 s for
 # these 1,664 s: 388 s of cores stood idle while workers waited (servers SIGKILLed and
@@ -42,7 +54,7 @@
 # test_failover.py failed again beside a loaded machine). KVCOORD_VLLM_SERIAL=1 runs
 # every phase one after the other.
 #   KVCOORD_TEST_WORKERS          workers of `pytest tests` (default 4; 0 runs it serially)
-#   KVCOORD_CLUSTER_TEST_WORKERS  workers of tests/cluster (default 2; 0 runs it serially)
+#   KVCOORD_CLUSTER_TEST_WORKERS  workers of tests/cluster (default 4; 0 runs it serially)
 #   KVCOORD_VLLM_TEST_WORKERS     workers of the tests/with_vllm run under vLLM 0.16.0 (default 2;
 #                                 0: serially), and under 0.33.0 where the next is not set
 #   KVCOORD_VLLM033_TEST_WORKERS  workers of the tests/with_vllm run under vLLM 0.33.0 (default 3)
@@ -178,7 +190,7 @@ if [ "${1:-}" != "--integration-only" ]; then
   # the replica-cluster tests after the rest, alone, on workers of their own (their
   # ownership leases are seconds long: see above)
   "$PYTHON" -m pytest tests/cluster -p no:benchmark \
-    -n "${KVCOORD_CLUSTER_TEST_WORKERS:-2}" --dist loadfile --durations=10 || status=$?
+    -n "${KVCOORD_CLUSTER_TEST_WORKERS:-4}" --dist loadfile --no-loadscope-reorder --durations=10 || status=$?
   vllm_workers=(-n "${KVCOORD_VLLM_TEST_WORKERS:-2}" --dist worksteal --durations=15)
   # (0.33.0's run is the longer one and waits as long as it computes: 3 workers, see above)
   vllm033_workers=(-n "${KVCOORD_VLLM033_TEST_WORKERS:-${KVCOORD_VLLM_TEST_WORKERS:-3}}" --dist worksteal

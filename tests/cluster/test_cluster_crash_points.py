@@ -524,6 +524,7 @@ KILLS = ("kill-owner", "kill-replica", "handover", "term-kill", "bounce", "kill-
 SEEDS = [int(x) for x in os.environ.get("KVCOORD_CLUSTER_CRASH_SEEDS", "1 2").split()]
 
 
+@pytest.mark.long
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("seed", SEEDS)
 def test_cluster_crash_points_lose_no_acknowledged_block(

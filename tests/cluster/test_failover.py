@@ -164,6 +164,7 @@ def create_and_attach(
     return sessions
 
 
+@pytest.mark.long
 def test_pools_fail_over_without_loss_when_owners_and_store_members_die(
     etcd3: EtcdCluster, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
@@ -295,6 +296,7 @@ def test_an_owner_cut_off_from_the_store_loses_its_pools_and_nothing_acknowledge
         proxy.close()
 
 
+@pytest.mark.long
 def test_a_pool_rebuilt_from_the_store_has_the_ends_of_its_sessions(
     etcd: Etcd, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:

@@ -188,6 +188,7 @@ def test_store_calls_answer_again_once_dropped_answers_come_back(
     asyncio.run(run())
 
 
+@pytest.mark.long
 def test_etcd_keeps_a_healthy_idle_connection(etcd3: EtcdCluster, request: pytest.FixtureRequest) -> None:
     """etcd closes a connection whose client pings more often than its
     --grpc-keepalive-min-time (5 s by default; GOAWAY "too_many_pings" after a few):

@@ -68,6 +68,7 @@ def _served_once(procs: dict[str, ServerProcess], pools: list[str]) -> dict[str,
         time.sleep(0.3)
 
 
+@pytest.mark.long
 def test_a_replica_whose_store_member_lost_the_quorum_loses_nothing(
     etcd3p: EtcdCluster, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:

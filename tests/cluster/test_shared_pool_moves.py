@@ -40,6 +40,7 @@ def _moving_name() -> str:
     )
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("journal", ["local", "store"])
 def test_a_shared_pool_handed_back_and_forth_under_faults_keeps_every_workers_blocks(
     etcd: Etcd, tmp_path: Path, request: pytest.FixtureRequest, journal: str

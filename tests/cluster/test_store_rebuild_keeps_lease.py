@@ -117,6 +117,7 @@ def _old_owner(etcd: Etcd, name: str, data_dir: Path) -> str:
     )
 
 
+@pytest.mark.long
 @pytest.mark.parametrize(("where", "lease"), [("forked", LEASE), ("on a thread", THREAD_LEASE)])
 def test_a_rebuild_longer_than_the_lease_keeps_the_lease_and_serves_the_other_pools(
     etcd: Etcd, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str, lease: int
@@ -196,6 +197,7 @@ async def _allocated_at_the_old_owner(old: str, r0: str, big: str, other: str) -
     return acked
 
 
+@pytest.mark.long
 def test_a_claim_lost_during_the_rebuild_is_not_served(
     etcd: Etcd, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -67,6 +67,7 @@ async def _bounded(what: Any, message: str) -> Any:
     return task.result()
 
 
+@pytest.mark.long
 def test_the_watch_and_stop_end_while_the_store_answers_nothing(
     etcd3: EtcdCluster, request: pytest.FixtureRequest
 ) -> None:

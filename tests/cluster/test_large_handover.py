@@ -168,18 +168,20 @@ class _Broken(grpc.aio.StreamUnaryClientInterceptor):
         return await continuation(details, parts)
 
     async def _broken(self, parts: AsyncIterator[pb.AdoptPoolPart]) -> AsyncIterator[pb.AdoptPoolPart]:
-        got = [p async for p in parts]
-        assert len(got) >= 4, f"{len(got) - 1} pieces: the state fits fewer parts than the test needs"
+        stream = aiter(parts)
+        yield await anext(stream)  # the header as it is: the callee accepts it before the pieces come
+        got = [p async for p in stream]  # the pieces
+        assert len(got) >= 3, f"{len(got)} pieces: the state fits fewer parts than the test needs"
         if self.kind == "truncated":
             got = got[:-1]
         elif self.kind == "duplicated":
-            got = [*got[:3], got[2], *got[3:]]
+            got = [*got[:2], got[1], *got[2:]]
         elif self.kind == "reordered":
-            got = [got[0], got[2], got[1], *got[3:]]
+            got = [got[1], got[0], *got[2:]]
         else:  # corrupt: same size and order, one byte changed
-            changed = bytearray(got[2].data)
+            changed = bytearray(got[1].data)
             changed[len(changed) // 2] ^= 0xFF
-            got[2] = pb.AdoptPoolPart(offset=got[2].offset, data=bytes(changed))
+            got[1] = pb.AdoptPoolPart(offset=got[1].offset, data=bytes(changed))
         for part in got:
             yield part
 

@@ -19,6 +19,7 @@ from kvcoord.service.handover_parts import (
     MESSAGE_ROOM,
     PART_BYTES,
     HandoverImpossible,
+    accepted,
     assemble,
     check_header,
     part_bytes,
@@ -51,6 +52,7 @@ class _Peer(pb_grpc.ReplicasServicer):
     ) -> pb.AdoptPoolResponse:  # noqa: N802
         try:
             header = check_header(await anext(aiter(parts), None), LIMIT)
+            await accepted(context)
             state = await assemble(parts, header)
         except ServiceError as exc:
             await context.abort(*grpc_code(exc))

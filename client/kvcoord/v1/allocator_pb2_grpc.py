@@ -1009,7 +1009,9 @@ class ReplicasServicer:
         callee's server.max_message_bytes bounds every message it receives, each part of a
         stream included). The first part is the header (pool, caller, claim revision, the
         state's size and SHA-256, the longest piece that follows); every later part is the
-        next piece of the state, at its offset. The callee assembles the pieces, checks
+        next piece of the state, at its offset. The callee sends initial metadata holding
+        "kvcoord-handover: header-accepted" once it has accepted the header, and the caller
+        sends the pieces only then: a refusal of the header ends the call before any piece. The callee assembles the pieces, checks
         their size and digest, and only then adopts the pool as AdoptPool does (same
         answers). A stream that ends early, or whose parts come out of order, overlap,
         overrun the size or do not match the digest, is refused INVALID_ARGUMENT and

@@ -17,7 +17,7 @@ from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
 from .access import AccessControl
 from .cluster import Cluster
 from .errors import ErrorReason, ServiceError, Status, map_errors
-from .handover_parts import assemble, check_header
+from .handover_parts import accepted, assemble, check_header
 from .registry import Placement, PoolRegistry
 from .tasks import CallCancelled, uncancelled
 
@@ -428,6 +428,7 @@ class ReplicasServicer(pb_grpc.ReplicasServicer):
         first = await anext(aiter(parts), None)
         header = check_header(first, self.placement.cluster.max_message_bytes)
         self.placement.refuse_adopting(header.pool, header.from_replica, header.claim_revision)
+        await accepted(context)  # (the caller sends the pieces only now)
         state = await assemble(parts, header)
         term = await self.placement.adopt(header.pool, state, header.from_replica, header.claim_revision)
         self.created(header.pool)

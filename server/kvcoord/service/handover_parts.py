@@ -35,6 +35,7 @@ __all__ = [
     "PART_BYTES",
     "HandoverImpossible",
     "HandoverPauses",
+    "accepted",
     "assemble",
     "check_header",
     "part_bytes",
@@ -52,6 +53,9 @@ MESSAGE_ROOM = 4096
 MAX_REPLICA_ID_LENGTH = 256
 #: a state's digest: SHA-256
 DIGEST_BYTES = 32
+#: the entry of a callee's initial metadata that accepts a stream's header: the caller
+#: sends the pieces only once it has it
+ACCEPTED = ("kvcoord-handover", "header-accepted")
 
 
 class HandoverImpossible(Exception):
@@ -122,10 +126,33 @@ def _sha256(data: bytes) -> bytes:
     return hashlib.sha256(data).digest()
 
 
-async def _parts(header: pb.AdoptPoolHeader, state: bytes, size: int) -> AsyncIterator[pb.AdoptPoolPart]:
+async def _parts(
+    started: list[grpc.aio.StreamUnaryCall[pb.AdoptPoolPart, pb.AdoptPoolResponse]],
+    header: pb.AdoptPoolHeader,
+    state: bytes,
+    size: int,
+) -> AsyncIterator[pb.AdoptPoolPart]:
+    """The parts of a stream: ``header``, then the pieces of ``state`` (of ``size``), only
+    once the callee has accepted the header (its initial metadata: :func:`accepted`) on
+    the call (``started[0]``, set as it starts). A callee refusing the header (its limit,
+    the pool's placement) ends the call before a piece is written, so its status reaches
+    the caller as sent: a piece written into a call the callee had ended made gRPC's
+    asyncio client report INTERNAL ("Internal error from Core") in its place (a peer's
+    RESOURCE_EXHAUSTED told as "other" in CI)."""
     yield pb.AdoptPoolPart(header=header)
+    call = started[0]
+    # (resolved also when the callee ends the call instead, without this entry: then its
+    # status may not be set yet, and a piece written now could meet the call ended)
+    if ACCEPTED not in tuple(await call.initial_metadata() or ()):
+        return
     for offset in range(0, len(state), size):
         yield pb.AdoptPoolPart(offset=offset, data=state[offset : offset + size])
+
+
+async def accepted(context: grpc.aio.ServicerContext[pb.AdoptPoolPart, pb.AdoptPoolResponse]) -> None:
+    """The callee's side of :func:`_parts`: the header is accepted, the pieces may
+    come (the initial metadata, holding :data:`ACCEPTED`)."""
+    await context.send_initial_metadata((ACCEPTED,))
 
 
 async def send_state(
@@ -172,9 +199,14 @@ async def send_state(
         header.state_sha256 = await asyncio.to_thread(_sha256, state)  # (hashlib lets go of the GIL)
         header.part_bytes = size
         try:
-            return await stub.AdoptPoolParts(  # type: ignore[no-any-return]
-                _parts(header, state, size), timeout=max(0.0, deadline - loop.time()), metadata=metadata
+            started: list[grpc.aio.StreamUnaryCall[pb.AdoptPoolPart, pb.AdoptPoolResponse]] = []
+            call = stub.AdoptPoolParts(
+                _parts(started, header, state, size),
+                timeout=max(0.0, deadline - loop.time()),
+                metadata=metadata,
             )
+            started.append(call)  # (before the parts are read: the first await is below)
+            return await call  # type: ignore[no-any-return]
         except grpc.aio.AioRpcError as exc:
             if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
                 raise

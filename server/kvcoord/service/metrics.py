@@ -32,6 +32,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
+from .handover_parts import REASONS as HANDOVER_REASONS
 from .intercept import WrappedHandlers, observed, status_name
 from .lease_clock import LeaseClock
 from .observers import NullObserver
@@ -174,18 +175,20 @@ class _PoolCollector(Collector):
         yield from (usage, free, total, live, sessions, lookups, queries, hits, group_hits, short, evictions,
                     refusals, allocated, freed, events, owned)  # fmt: skip
         yield from reservations.values()
+        # a cluster replica's failed handovers; a single node's zeros (it hands nothing over,
+        # and a dashboard's query finds the series everywhere)
         handovers = getattr(getattr(placement, "cluster", None), "handovers", None)
-        if handovers is not None:  # a cluster's replica
-            failed = CounterMetricFamily(
-                "kvcoord_handovers_failed",
-                "Handovers of a pool from this replica that failed (the pool stays here), by why: peer_release "
-                "(the peer's earlier release takes no state in parts and this one does not fit a message), "
-                "peer_limit (the peer refused it RESOURCE_EXHAUSTED), other.",
-                labels=["reason"],
-            )
-            for reason, n in handovers.failures.items():
-                failed.add_metric([reason], n)
-            yield failed
+        failed = CounterMetricFamily(
+            "kvcoord_handovers_failed",
+            "Handovers of a pool from this replica that failed (the pool stays here), by why: peer_release "
+            "(the peer's earlier release takes no state in parts and this one does not fit a message), "
+            "peer_limit (the peer refused it RESOURCE_EXHAUSTED), other.",
+            labels=["reason"],
+        )
+        counts = handovers.failures if handovers is not None else dict.fromkeys(HANDOVER_REASONS, 0)
+        for reason, failures in counts.items():
+            failed.add_metric([reason], failures)
+        yield failed
         clock = servicer.registry.sessions.clock if servicer is not None else None
         if isinstance(clock, LeaseClock):  # (its counts are read, not the clock: no read is a gap)
             yield CounterMetricFamily(

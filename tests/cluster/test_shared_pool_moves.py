@@ -17,7 +17,7 @@ import pytest
 from durable_server import env
 from durable_workload import PATIENT
 from etcd_process import Etcd
-from kvcoord.client import KVCoordClient
+from kvcoord.client import KVCoordClient, KVCoordError
 from kvcoord.client.faults import FaultInjector
 from kvcoord.client.testing import ServerProcess, start_server
 from kvcoord.service.ownership import Member, owner_of
@@ -51,6 +51,7 @@ def test_a_shared_pool_handed_back_and_forth_under_faults_keeps_every_workers_bl
     cluster = request.node.name.replace("[", "-").rstrip("]")
     pool = _moving_name()
     procs: dict[str, ServerProcess] = {}
+    started: list[tuple[str, ServerProcess]] = []  # every start, in order (r2 starts again)
     lines = 'journal = "store"\n' if journal == "store" else ""
 
     tenants = "".join(
@@ -64,7 +65,13 @@ def test_a_shared_pool_handed_back_and_forth_under_faults_keeps_every_workers_bl
             etcd, replica, tmp_path / replica, cluster, f'auth_tokens = ["{ROOT}"]\n', lines
         )  # (the replicas hand pools over with the full-access token)
         procs[replica] = start_server(config + tenants, env=env())
+        started.append((replica, procs[replica]))
         return procs[replica]
+
+    def who(address: str) -> str:
+        """The replica processes (each start of one) that listened at ``address``."""
+        named = [f"{r} (start {n})" for n, (r, p) in enumerate(started) if p.address == address]
+        return ", ".join(named) or f"no replica of this test at {address!r}"
 
     memory = KVMemory()
     counts: dict[str, int] = dict.fromkeys(
@@ -110,24 +117,32 @@ def test_a_shared_pool_handed_back_and_forth_under_faults_keeps_every_workers_bl
             tenant = "alice" if wid % 2 == 0 else "bob"  # the same prompts: kept apart by namespace
             # (patient: with journal = "local" the pool waits for r2 SIGKILLed and started
             # again, which took 20-35 s at load 25-30, past the default policy's 8 attempts)
-            shared_worker(
-                targets,
-                pool,
-                wid,
-                90,
-                memory,
-                counts,
-                injectors,
-                tenant,
-                TENANTS[tenant],
-                ROOT,
-                retry=PATIENT,
-            )
+            try:
+                shared_worker(
+                    targets,
+                    pool,
+                    wid,
+                    90,
+                    memory,
+                    counts,
+                    injectors,
+                    tenant,
+                    TENANTS[tenant],
+                    ROOT,
+                    retry=PATIENT,
+                )
+            except KVCoordError as exc:  # which replica said it (a refusal no replica should give)
+                raise AssertionError(f"{exc} (answered by {who(exc.address)}; moves {moves})") from exc
 
         run_beside(worker, 3, churn, done)
         with KVCoordClient(targets, token=ROOT) as c:
             final = c.get_stats(pool)
             assert c.check_pool(pool).violations == []
+    except BaseException:  # every start's warnings and errors, to tell what the replicas did
+        for n, (replica, p) in enumerate(started):
+            lines = [line for line in p.log().splitlines() if " WARNING " in line or " ERROR " in line]
+            print(f"--- {replica} (start {n}) at {p.address}:", *lines[-40:], sep="\n")
+        raise
     finally:
         for p in procs.values():
             p.stop()

@@ -481,3 +481,21 @@ def test_a_cancelled_attach_is_retried_into_one_session(server: InProcessServer,
         assert [s.session_id for s in c.list_sessions("p").sessions] == [got.session_id]
         assert c.get_stats("p").num_sessions == 1
         assert got.exclusive
+
+
+def test_a_refusal_names_the_replica_that_gave_it(server: InProcessServer, client: KVCoordClient) -> None:
+    """A refused call's error carries the address its answer came from (in a cluster,
+    which replica said it), with both clients."""
+    with pytest.raises(NotFoundError) as refused:
+        client.get_stats("no-such-pool")
+    assert refused.value.address == server.address
+
+    async def main() -> str:
+        async with AsyncKVCoordClient(server.address) as c:
+            try:
+                await c.get_stats("no-such-pool")
+            except NotFoundError as exc:
+                return exc.address
+        return "not refused"
+
+    assert asyncio.run(main()) == server.address

@@ -288,6 +288,7 @@ class Call:
                 outcome is unknown).
         """
         attempts = self.attempts
+        err.address = self.address
         try:
             attempts.note(err)
             step = self.routes.failed(err, self.pool, self.address, self.hops, attempts.kind)

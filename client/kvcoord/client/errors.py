@@ -77,13 +77,16 @@ __all__ = [
 
 
 class KVCoordError(Exception):
-    """A failed kvcoord call; ``reason`` is the server's ErrorReason name, if any."""
+    """A failed kvcoord call; ``reason`` is the server's ErrorReason name, if any;
+    ``address``: the ``host:port`` its last attempt went to ("" when none was made), the
+    replica whose answer this is (in a cluster: which one said it)."""
 
     def __init__(self, code: grpc.StatusCode, message: str, reason: str = "") -> None:
         super().__init__(f"{code.name}: {message}")
         self.code = code
         self.message = message
         self.reason = reason
+        self.address = ""
 
 
 class InvalidArgumentError(KVCoordError):

@@ -164,7 +164,20 @@ def test_cluster_config_file_and_environment() -> None:
     c = load_config(env=env).cluster
     assert c.endpoints == ("e1:2379", "e2:2379")
     assert (c.replica_id, c.advertise_address, c.name) == ("kvcoord-1", "kvcoord-1.kvcoord:50051", "prod")
-    for bad in ('endpoints = "h:1"', 'endpoints = ["nohost"]', "lease_seconds = 1", 'name = "a/b"', "x = 1"):
+    bad_names = (
+        'name = "a b"',
+        'name = "caf\u00e9"',
+        'replica_id = "r 1"',
+        'replica_id = "r\u00e9"',
+    )  # (metadata)
+    for bad in (
+        'endpoints = "h:1"',
+        'endpoints = ["nohost"]',
+        "lease_seconds = 1",
+        'name = "a/b"',
+        "x = 1",
+        *bad_names,
+    ):
         with pytest.raises(ConfigFileError, match="cluster"):
             parse_config(f"[cluster]\n{bad}\n")
 
@@ -199,3 +212,35 @@ def test_hand_overs_and_leaving_follow_placement() -> None:
     with pytest.raises(ServiceError) as err:
         o.check(mine[0], local=True)
     assert err.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_a_call_is_served_only_by_the_replica_it_names() -> None:
+    """A redirect names its owner ("<cluster>/<replica id>", in a trailer of its own);
+    a call naming a replica is refused by any other server, WRONG_REPLICA, and one
+    naming none by nobody."""
+    from kvcoord.service.errors import _trailers
+    from kvcoord.service.ownership import check_addressed, not_owner, replica_name
+
+    o = Ownership(Member("r0", "r0:1"), cluster="k")
+    o.valid_until = float("inf")
+    o.set_members([Member("r0", "r0:1"), Member("r1", "r1:1")])
+    o.set_claims([Claim("p", "r1", "r1:1", 5)])
+    with pytest.raises(ServiceError) as redirect:
+        o.check("p", local=False)
+    assert dict(_trailers(redirect.value)) == {
+        "kvcoord-reason": "NOT_OWNER", "kvcoord-owner": "r1:1", "kvcoord-owner-replica": "k/r1",
+    }  # fmt: skip
+    assert replica_name("k", "r1") == "k/r1"
+    check_addressed((("authorization", "Bearer t"),), "k/r0")  # named nobody: any server
+    check_addressed((("kvcoord-replica", "k/r1"),), "k/r1")
+    check_addressed((("kvcoord-replica", b"k/r1"),), "k/r1")
+    for me in ("k/r0", "other/r1", ""):  # another replica, another cluster, a single node
+        with pytest.raises(ServiceError) as refused:
+            check_addressed((("kvcoord-replica", "k/r1"),), me)
+        assert (
+            refused.value.reason is ErrorReason.WRONG_REPLICA
+            and refused.value.code == grpc.StatusCode.UNAVAILABLE
+        )
+    assert dict(_trailers(not_owner("p", "r1", "r1:1", "r0"))) == {
+        "kvcoord-reason": "NOT_OWNER", "kvcoord-owner": "r1:1", "kvcoord-owner-replica": "/r1",
+    }  # fmt: skip

@@ -214,3 +214,58 @@ def test_a_reader_never_sees_an_address_list_missing_one() -> None:
         writer.join()
     assert short == []
     assert sorted(routes.addresses) == ["a:1", "b:2", "c:3"]
+
+
+def test_a_redirect_names_its_replica_and_a_refusal_as_another_replica_is_asked_elsewhere() -> None:
+    """A redirect's ``kvcoord-owner-replica`` is what the calls sent to that address
+    name; a server there that is not that replica refuses (WRONG_REPLICA), which
+    applied nothing: even an unkeyed mutation goes at once to another replica, and the
+    address is the pool's owner no more."""
+    from kvcoord.client import NotOwnerError, WrongReplicaError
+    from kvcoord.client.errors import error_from_rpc, never_sent
+    from kvcoord.client.owners import AGAIN
+
+    class Refused(grpc.RpcError):
+        def code(self) -> grpc.StatusCode:
+            return grpc.StatusCode.FAILED_PRECONDITION
+
+        def details(self) -> str:
+            return "served by r2"
+
+        def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+            return (
+                ("kvcoord-reason", "NOT_OWNER"),
+                ("kvcoord-owner", "c:1"),
+                ("kvcoord-owner-replica", "k/r2"),
+            )
+
+    redirect = error_from_rpc(Refused(), "Step")
+    assert isinstance(redirect, NotOwnerError) and (redirect.owner, redirect.owner_replica) == ("c:1", "k/r2")
+    routes = Routes(["a:1", "b:1"], lambda e: [e], Clock())
+    assert routes.failed(redirect, "p", "a:1", 0, "once") == AGAIN
+    assert routes.route("p") == "c:1" and routes.named == {"c:1": "k/r2"}
+    wrong = WrongReplicaError(grpc.StatusCode.UNAVAILABLE, "meant for 'k/r2'", "WRONG_REPLICA")
+    assert never_sent(wrong)  # nothing applied: any call may go elsewhere
+    assert routes.failed(wrong, "p", "c:1", 1, "once") == AGAIN
+    assert routes.route("p") == "a:1" and "c:1" in routes.down
+    nameless = NotOwnerError(grpc.StatusCode.FAILED_PRECONDITION, "served by c:1", "NOT_OWNER")
+    nameless.owner = "c:1"  # a replica of an earlier release names none: nothing is checked there
+    routes.redirected("p", "c:1", "a:1", nameless.owner_replica)
+    assert routes.named == {}
+
+
+def test_an_answer_describing_its_pool_names_the_replica_that_gave_it() -> None:
+    """An Attach, GetPool or CreatePool answer (PoolInfo.replica_name) and a ListPools
+    listing name the replica at the address that answered: calls sent there name it
+    from then on, though no redirect ever pointed there; one naming none (a single node,
+    a replica of an earlier release) leaves nothing to check there."""
+    routes = Routes(["a:1", "b:1"], lambda e: [e], Clock())
+    attached = pb.AttachResponse(session_id="s1", pool=pb.PoolInfo(name="p", replica_name="k/r1"))
+    routes.answered("Attach", pb.AttachRequest(pool="p"), attached, "p", "b:1")
+    routes.listed("q", "a:1", "k/r0")
+    assert routes.named == {"b:1": "k/r1", "a:1": "k/r0"}
+    routes.answered("GetStats", pb.GetStatsRequest(pool="p"), pb.GetStatsResponse(), "p", "b:1")
+    assert routes.named["b:1"] == "k/r1"  # (an answer that describes no pool changes nothing)
+    plain = pb.GetPoolResponse(pool=pb.PoolInfo(name="p"))
+    routes.answered("GetPool", pb.GetPoolRequest(name="p"), plain, "p", "b:1")
+    assert routes.named == {"a:1": "k/r0"}

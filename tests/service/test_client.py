@@ -499,3 +499,40 @@ def test_a_refusal_names_the_replica_that_gave_it(server: InProcessServer, clien
         return "not refused"
 
     assert asyncio.run(main()) == server.address
+
+
+def test_a_call_meant_for_another_replica_is_refused_before_it_is_read(
+    server: InProcessServer, client: KVCoordClient
+) -> None:
+    """A server that is not the replica a call names (``kvcoord-replica``, as a redirect
+    named the owner at this address) refuses it, WRONG_REPLICA, nothing applied: here a
+    single node (named "") got calls meant for replica r9 of cluster k, with both clients
+    and on the Step stream; the same calls naming nobody are served."""
+    from kvcoord.client import WrongReplicaError
+
+    with KVCoordClient(server.address, timeout=10, retry=NO_RETRY) as misled:
+        misled.routes.named[server.address] = "k/r9"
+        with pytest.raises(WrongReplicaError) as refused:
+            misled.attach("p", "sha256_cbor", 4, "0")
+        assert refused.value.reason == "WRONG_REPLICA" and "'k/r9'" in refused.value.message
+        with pytest.raises(WrongReplicaError):
+            misled.get_stats("p")
+        assert client.get_stats("p").num_sessions == 0  # nothing was attached
+        misled.routes.named.clear()  # naming nobody: served
+        session = misled.attach("p", "sha256_cbor", 4, "0")
+        misled.routes.named[server.address] = "k/r9"
+        with pytest.raises(WrongReplicaError):  # a Step on the stream, opened naming r9
+            misled.step("p", [allocate("a", list(range(8)), 8)], session.session_id, session.fence)
+        assert misled._carrier.opened == 1
+        assert client.get_stats("p").num_requests == 0
+
+    async def main() -> str:
+        async with AsyncKVCoordClient(server.address, retry=NO_RETRY) as c:
+            c.routes.named[server.address] = "k/r9"
+            try:
+                await c.get_stats("p")
+            except WrongReplicaError as exc:
+                return exc.reason
+        return "served"
+
+    assert asyncio.run(main()) == "WRONG_REPLICA"

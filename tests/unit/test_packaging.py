@@ -118,7 +118,7 @@ def test_public_exports_are_pinned() -> None:
         "OwnerChangingError", "OwnerGoneError",
         "KVCoordClient", "KVCoordError", "MultiModalItem", "NotFoundError", "NotOwnerError", "Pending", "PermissionDeniedError",
         "PredictingKVCacheManager", "PredictionMismatchError", "RandomSeedError", "RemoteKVCacheManager", "ResourceExhaustedError", "RetryPolicy", "StepBatcher",
-        "TLSOptions", "UnavailableError", "none_hash",
+        "TLSOptions", "UnavailableError", "WrongReplicaError", "none_hash",
         # remote safety: typed reasons, the session keeper
         "AnswerEvictedError", "FencedError", "GracePeriodError", "KeyReusedError", "LeaseExpiredError",
         "OutcomeUnknownError", "RequestUnknownError", "RequestsLostError", "SessionExpiredError",

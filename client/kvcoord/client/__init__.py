@@ -35,6 +35,7 @@ from .errors import (
     SessionExpiredError,
     SyncMismatchError,
     UnavailableError,
+    WrongReplicaError,
 )
 from .hashing import BlockHasher, MultiModalItem, RandomSeedError, none_hash
 from .items import KVCacheBlockIds, Pending
@@ -88,5 +89,6 @@ __all__ = [
     "SyncMismatchError",
     "TLSOptions",
     "UnavailableError",
+    "WrongReplicaError",
     "none_hash",
 ]

@@ -15,7 +15,7 @@ from kvcoord.v1 import allocator_pb2 as pb
 from . import _requests as rq
 from . import given_up
 from .api import LIST_POOLS, AsyncApi, Call, Coro, Req, Resp, Rpc, merged
-from .errors import KVCoordError, OutcomeUnknownError, error_from_rpc
+from .errors import KVCoordError, OutcomeUnknownError, WrongReplicaError, error_from_rpc
 from .step_pieces import (
     free_pieces,
     inspect_pieces,
@@ -138,9 +138,10 @@ class AsyncKVCoordClient(AsyncApi):
     async def _attempts(self, rpc: str, request: Any) -> Any:
         call = Call(self, rpc, request)
         while True:
-            method = getattr(self._connection(call.route())[1], rpc)
+            address = call.route()
+            method = getattr(self._connection(address)[1], rpc)
             try:
-                response = await method(request, timeout=self.timeout, metadata=self._metadata)
+                response = await method(request, timeout=self.timeout, metadata=self._metadata_at(address))
             except grpc.RpcError as exc:
                 err = error_from_rpc(exc, rpc)
             else:
@@ -173,7 +174,8 @@ class AsyncKVCoordClient(AsyncApi):
 
     def list_pools(self) -> Coro[pb.ListPoolsResponse]:
         """Every pool, in name order; of a replica set, every replica's (each replica
-        lists the pools it serves; one that fails to answer fails the call)."""
+        lists the pools it serves; one that fails to answer fails the call, one refusing it
+        as another replica than the one named there, WRONG_REPLICA, is left out)."""
         return self._list_pools()
 
     async def _list_pools(self) -> pb.ListPoolsResponse:
@@ -184,7 +186,10 @@ class AsyncKVCoordClient(AsyncApi):
             try:
                 answer = await self._listed_at(address)
             except grpc.RpcError as exc:
-                raise error_from_rpc(exc, "ListPools") from None
+                err = error_from_rpc(exc, "ListPools")
+                if isinstance(err, WrongReplicaError):  # not a replica of the set any more
+                    continue
+                raise err from None
             answers.append((address, answer))
         return merged(self.routes, answers)
 

@@ -23,7 +23,7 @@ from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
 
 from . import _requests as rq
 from . import given_up
-from .errors import KVCoordError
+from .errors import REPLICA_METADATA_KEY, KVCoordError
 from .owners import AGAIN, SETTLE, Routes
 from .retry import DEFAULT_RETRY, Attempts, RetryPolicy
 from .step_pieces import DEFAULT_STEP_PIECE_BYTES, ops_cap
@@ -109,7 +109,7 @@ def merged(routes: Routes, answers: Sequence[tuple[str, pb.ListPoolsResponse]]) 
         for info in answer.pools:
             if info.name not in pools:
                 pools[info.name] = info
-                routes.listed(info.name, address)
+                routes.listed(info.name, address, info.replica_name)
     return pb.ListPoolsResponse(pools=[pools[n] for n in sorted(pools)])
 
 
@@ -219,18 +219,26 @@ class Api:
             self._open[address] = got
         return got
 
+    def _metadata_at(self, address: str) -> Any:
+        """The metadata of a call to ``address``: the token, and the replica a redirect
+        named there (``kvcoord-replica``: any other server refuses the call,
+        WRONG_REPLICA, so an address the replica left is never taken for it)."""
+        named = self.routes.named.get(address)
+        if not named:
+            return self._metadata
+        return (*(self._metadata or ()), (REPLICA_METADATA_KEY, named))
+
     def _listed_at(self, address: str) -> Any:
         """ListPools of one replica (the asyncio client's: an awaitable of the answer)."""
         return self._connection(address)[1].ListPools(
-            pb.ListPoolsRequest(), timeout=self.timeout, metadata=self._metadata
+            pb.ListPoolsRequest(), timeout=self.timeout, metadata=self._metadata_at(address)
         )
 
     def _watch(self, pool: str, after_sequence: int, fence: pb.Fence | None, **kw: Any) -> Any:
         """The WatchEvents stream of ``pool`` at its owner (``kw``: the call's timeout)."""
         request = pb.WatchEventsRequest(pool=pool, after_sequence=after_sequence, fence=fence)
-        return self._connection(self.routes.route(pool))[1].WatchEvents(
-            request, metadata=self._metadata, **kw
-        )
+        address = self.routes.route(pool)
+        return self._connection(address)[1].WatchEvents(request, metadata=self._metadata_at(address), **kw)
 
     def _learn(self, rpc: str, response: Any) -> None:
         """What any Attach answer tells the asyncio client, however the Attach was made:

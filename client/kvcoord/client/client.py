@@ -18,7 +18,7 @@ from kvcoord.v1 import allocator_pb2 as pb
 
 from . import _requests as rq
 from .api import LIST_POOLS, BlockingApi, Call, Req, Resp, Rpc, merged
-from .errors import error_from_rpc
+from .errors import WrongReplicaError, error_from_rpc
 from .step_pieces import (
     free_pieces,
     inspect_pieces,
@@ -57,7 +57,7 @@ class KVCoordClient(BlockingApi):
         #: the replicas that serve StepStream (their Attach answer listed it)
         self._streamed: set[str] = set()
         self._carrier = StepCarrier(
-            lambda address: self._connection(address)[1], self._metadata, self.timeout
+            lambda address: self._connection(address)[1], self._metadata_at, self.timeout
         )
 
     def __enter__(self) -> KVCoordClient:
@@ -100,7 +100,7 @@ class KVCoordClient(BlockingApi):
             if answer is not None:
                 return answer
         response = getattr(self._connection(address)[1], rpc)(
-            request, timeout=self.timeout, metadata=self._metadata
+            request, timeout=self.timeout, metadata=self._metadata_at(address)
         )
         if rpc == "Attach" and self.step_stream and STEP_STREAM in response.capabilities:
             self._streamed.add(address)
@@ -141,7 +141,8 @@ class KVCoordClient(BlockingApi):
 
     def list_pools(self) -> pb.ListPoolsResponse:
         """Every pool, in name order; of a replica set, every replica's (each replica
-        lists the pools it serves; one that fails to answer fails the call)."""
+        lists the pools it serves; one that fails to answer fails the call, one refusing it
+        as another replica than the one named there, WRONG_REPLICA, is left out)."""
         if len(self.routes.addresses) == 1:
             return self.unary(LIST_POOLS, pb.ListPoolsRequest())
         answers = []
@@ -149,7 +150,10 @@ class KVCoordClient(BlockingApi):
             try:
                 answer = self._listed_at(address)
             except grpc.RpcError as exc:
-                raise error_from_rpc(exc, "ListPools") from None
+                err = error_from_rpc(exc, "ListPools")
+                if isinstance(err, WrongReplicaError):  # not a replica of the set any more
+                    continue
+                raise err from None
             answers.append((address, answer))
         return merged(self.routes, answers)
 

@@ -15,7 +15,7 @@ Hierarchy::
     │   │   └── ProfileMismatchError  the pool follows another vLLM profile (PROFILE_MISMATCH)
     │   ├── FencedError               server restarted / pool re-created: block ids void
     │   ├── PoolBusyError             an exclusive session holds the pool (POOL_EXCLUSIVE)
-    │   ├── NotOwnerError             another replica serves the pool (NOT_OWNER; .owner)
+    │   ├── NotOwnerError             another replica serves the pool (NOT_OWNER; .owner, .owner_replica)
     │   ├── OwnerGoneError            DeletePool: the pool's owner is gone, nothing deleted (OWNER_GONE)
     │   └── SyncMismatchError         the server holds another position of a request
     ├── PermissionDeniedError         PERMISSION_DENIED, UNAUTHENTICATED
@@ -25,6 +25,7 @@ Hierarchy::
     ├── UnavailableError              UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED (transient)
     │   ├── GracePeriodError          the server restarted and waits for old leases (GRACE_PERIOD)
     │   ├── OwnerChangingError        the pool is changing owner at this replica: retry there (OWNER_CHANGING)
+    │   ├── WrongReplicaError         the address is not the named replica's any more (WRONG_REPLICA)
     │   └── OutcomeUnknownError       a call may or may not have been applied (retries ran out)
     ├── LeaseExpiredError             the client can no longer vouch for its session lease
     ├── RequestsLostError             RemoteKVCacheManager: these requests are gone; recompute them
@@ -69,6 +70,7 @@ __all__ = [
     "SessionExpiredError",
     "SyncMismatchError",
     "UnavailableError",
+    "WrongReplicaError",
     "error_from_code",
     "error_from_rpc",
     "never_sent",
@@ -164,9 +166,11 @@ class PoolBusyError(FailedPreconditionError):
 
 class NotOwnerError(FailedPreconditionError):
     """Pools are sharded over replicas and another one serves this pool: ``owner`` is
-    its address (host:port; "" if the server named none). Nothing changed."""
+    its address (host:port; "" if the server named none), ``owner_replica`` its
+    ``"<cluster>/<replica id>"`` (sent with the calls made there). Nothing changed."""
 
     owner = ""
+    owner_replica = ""
 
 
 class OwnerGoneError(FailedPreconditionError):
@@ -192,6 +196,13 @@ class OwnerChangingError(UnavailableError):
     """Pools are sharded over replicas and the one called is taking the pool over (its
     owner is gone), rebuilding it, or handing it over: nothing was applied. The client
     keeps this replica as the pool's owner and asks it again shortly."""
+
+
+class WrongReplicaError(UnavailableError):
+    """The server at the address a redirect named is not the replica it named (that
+    replica stopped or moved, and another server listens there now, perhaps of another
+    cluster): it refused the call, nothing applied or read. The client asks another
+    replica of its set."""
 
 
 class OutcomeUnknownError(UnavailableError):
@@ -264,12 +275,17 @@ _REASONS: dict[str, type[KVCoordError]] = {
     "OWNER_GONE": OwnerGoneError,
     "PROFILE_MISMATCH": ProfileMismatchError,
     "OWNER_CHANGING": OwnerChangingError,
+    "WRONG_REPLICA": WrongReplicaError,
 }
 
 #: Trailing-metadata key carrying the reason of a failed RPC.
 REASON_METADATA_KEY = "kvcoord-reason"
 #: Trailing-metadata key carrying the owner's address with NOT_OWNER.
 OWNER_METADATA_KEY = "kvcoord-owner"
+#: Trailing-metadata key carrying the owner's "<cluster>/<replica id>" with NOT_OWNER.
+OWNER_REPLICA_METADATA_KEY = "kvcoord-owner-replica"
+#: Request-metadata key naming the replica a call is meant for (WRONG_REPLICA).
+REPLICA_METADATA_KEY = "kvcoord-replica"
 
 
 def error_from_code(code: grpc.StatusCode, message: str, rpc: str = "", reason: str = "") -> KVCoordError:
@@ -282,16 +298,19 @@ def error_from_rpc(exc: grpc.RpcError, rpc: str = "") -> KVCoordError:
     """The typed error for a failed gRPC call."""
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
     details = exc.details() if hasattr(exc, "details") else str(exc)
-    reason = owner = ""
+    reason = owner = replica = ""
     trailing = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else None
     for key, value in trailing or ():
+        text = value if isinstance(value, str) else value.decode(errors="replace")
         if key == REASON_METADATA_KEY:
-            reason = value if isinstance(value, str) else value.decode()
+            reason = text
         elif key == OWNER_METADATA_KEY:
-            owner = value if isinstance(value, str) else value.decode()
+            owner = text
+        elif key == OWNER_REPLICA_METADATA_KEY:
+            replica = text
     err = error_from_code(code or grpc.StatusCode.UNKNOWN, details or "", rpc, reason)
     if isinstance(err, NotOwnerError):
-        err.owner = owner
+        err.owner, err.owner_replica = owner, replica
     return err
 
 
@@ -314,9 +333,12 @@ _NOT_SENT = ("failed to connect to all addresses", "errors resolving ", "DNS res
 
 
 def never_sent(err: KVCoordError) -> bool:
-    """``err`` says the call never left the client (no connection to the target, or
-    its name did not resolve): it applied nothing."""
-    return err.code == grpc.StatusCode.UNAVAILABLE and err.message.startswith(_NOT_SENT)
+    """``err`` says the call applied nothing anywhere: it never left the client (no
+    connection to the target, or its name did not resolve), or the server it reached
+    refused it as meant for another replica (WrongReplicaError) before reading it."""
+    return isinstance(err, WrongReplicaError) or (
+        err.code == grpc.StatusCode.UNAVAILABLE and err.message.startswith(_NOT_SENT)
+    )
 
 
 #: how gRPC's RESOURCE_EXHAUSTED reads when a message was over a receive limit; the

@@ -18,6 +18,14 @@ replicas point. A replica that answers OWNER_CHANGING (it is taking the pool ove
 rebuilding it, or handing it over) stays the pool's owner and is asked again after
 the same short pause.
 
+**Named replicas.** A redirect names the owner as ``<cluster>/<replica id>``, and so
+does every pool description a replica answers with (Attach, GetPool, CreatePool,
+ListPools): each call to that address names it (:attr:`Routes.named`, sent as the
+``kvcoord-replica`` metadata), and a server there that is not that replica refuses it
+(WRONG_REPLICA: the replica stopped and another server, perhaps of another cluster with
+a pool of the same name, has its address now). That refusal applied nothing: the call
+goes to another replica at once, whatever its kind.
+
 **Threads.** A blocking client is called from several threads at once (a manager's
 sender thread and the scheduler's): every method that changes the table holds one lock,
 so two threads learning at once neither lose an update nor break the table (an address
@@ -50,6 +58,8 @@ from .errors import (
 
 __all__ = ["AGAIN", "MAX_HOPS", "SETTLE", "Routes", "parse_targets", "resolve"]
 
+#: the answers that describe their pool (PoolInfo: the replica that answered, by name)
+_DESCRIBED = frozenset({"Attach", "GetPool", "CreatePool"})
 #: NOT_OWNER redirects followed for one call (a pool moving twice under a call is rare;
 #: more means the replicas disagree, which is reported rather than chased)
 MAX_HOPS = 4
@@ -144,6 +154,10 @@ class Routes:
         self.owner: dict[str, str] = {}
         #: session id -> its pool
         self.session_pool: dict[str, str] = {}
+        #: address -> the replica ("<cluster>/<replica id>") last named there (a redirect,
+        #: or an answer's PoolInfo.replica_name): calls sent there name it, and any other
+        #: server there refuses them (WRONG_REPLICA)
+        self.named: dict[str, str] = {}
 
     @property
     def primary(self) -> str:
@@ -183,11 +197,14 @@ class Routes:
         return self.owner.get(pool) or self.primary
 
     def answered(self, rpc: str, request: Any, response: Any, pool: str, address: str) -> None:
-        """A call succeeded at ``address``: remember the pool's owner and a new session's pool."""
+        """A call succeeded at ``address``: remember the pool's owner, a new session's
+        pool, and the replica a pool's description names as the one that answered."""
         with self._lock:
             self.down.pop(address, None)
             if pool:
                 self.owner[pool] = address
+            if rpc in _DESCRIBED:
+                self._name(address, response.pool.replica_name)
             if rpc == "Attach":
                 self.session_pool[response.session_id] = request.pool
                 while len(self.session_pool) > MAX_SESSIONS:
@@ -195,17 +212,30 @@ class Routes:
             elif rpc == "Detach":
                 self.session_pool.pop(request.session_id, None)
 
-    def listed(self, pool: str, address: str) -> None:
-        """``address`` listed ``pool`` among the pools it serves: its owner."""
+    def listed(self, pool: str, address: str, replica: str = "") -> None:
+        """``address`` listed ``pool`` among the pools it serves: its owner
+        (``replica``: the name the listing gave the replica that answered)."""
         with self._lock:
             self.owner[pool] = address
+            self._name(address, replica)
 
-    def redirected(self, pool: str, owner: str, by: str = "") -> bool:
-        """The replica at ``by`` named ``owner`` as ``pool``'s. False when ``owner``
-        is marked down (less than :data:`RECHECK_DOWN` seconds ago): not followed, the
-        naming replica's view is behind (the dead owner's claim has not lapsed)."""
+    def _name(self, address: str, replica: str) -> None:
+        """``replica`` ("<cluster>/<replica id>"; "" none: a single node, or a replica of
+        an earlier release) is at ``address``: calls sent there name it."""
+        if replica:
+            self.named[address] = replica
+        else:
+            self.named.pop(address, None)
+
+    def redirected(self, pool: str, owner: str, by: str = "", replica: str = "") -> bool:
+        """The replica at ``by`` named ``owner`` as ``pool``'s (``replica``: its
+        "<cluster>/<replica id>", named in the calls sent there from now on). False when
+        ``owner`` is marked down (less than :data:`RECHECK_DOWN` seconds ago): not
+        followed, the naming replica's view is behind (the dead owner's claim has not
+        lapsed)."""
         with self._lock:
             self.down.pop(by, None)
+            self._name(owner, replica)
             marked = self.down.get(owner)
             if marked is not None and self.clock() - marked < RECHECK_DOWN:
                 if self.owner.get(pool) == owner:
@@ -256,7 +286,7 @@ class Routes:
         if isinstance(err, NotOwnerError) and err.owner:
             if hops >= MAX_HOPS:
                 return ""
-            if self.redirected(pool, err.owner, address):
+            if self.redirected(pool, err.owner, address, err.owner_replica):
                 return AGAIN
             return SETTLE if repeatable else ""
         if isinstance(err, OwnerChangingError):
@@ -267,7 +297,9 @@ class Routes:
             # A stopped owner's address may refuse connections or swallow packets (the
             # read then ends in DEADLINE_EXCEEDED, which no retry policy repeats): a
             # read, keyed call or Attach is safe to send again, and another replica
-            # routes it. A call that never reached the replica (no connection) is safe
+            # routes it. A call that never reached the replica (no connection), or that
+            # a server refused as meant for another replica (WRONG_REPLICA: the
+            # redirect's address has another server now), applied nothing: it is safe
             # to send anywhere, whatever its kind.
             if (repeatable or never_sent(err)) and hops < MAX_HOPS and self.route(pool) != address:
                 return AGAIN

@@ -6,8 +6,10 @@ Only transient codes are retried, and only for calls that are safe to repeat
 ("once": Detach, DeletePool, ResetPrefixCache) is repeated only while its attempts were
 never sent: gRPC fails a call at once, before writing any byte of it, while its channel
 cannot connect ("failed to connect to all addresses": a server not listening yet, or
-restarting), so such an attempt applied nothing; any other failure of it (an answer
-lost, a deadline, a connection broken mid-call) may have been applied and ends the call.
+restarting), so such an attempt applied nothing; nor did one a server refused as meant
+for another replica (WRONG_REPLICA: it reads nothing of such a call). Any other failure
+of it (an answer lost, a deadline, a connection broken mid-call) may have been applied
+and ends the call.
 
 With ``keyed_deadline`` set (:data:`DEFAULT_RETRY`: 90 s), keyed calls (Allocate,
 Free, Step, a reserving ScorePools: applied at most once) are retried that long whatever ``max_attempts``
@@ -28,7 +30,7 @@ other call once its backoffs could have lasted (about 5 s by default). An
 attempt whose outcome was unknown (a keyed call in flight when its owner died) makes
 the call end in :class:`~kvcoord.client.errors.OutcomeUnknownError` when the last
 attempt's answer is only a redirect or another transient failure; an attempt that was
-never sent (no connection could be made) is not one of them.
+never sent (no connection could be made), or refused WRONG_REPLICA, is not one of them.
 """
 
 from __future__ import annotations

@@ -74,13 +74,16 @@ class StepCarrier:
 
     Args:
         stub_of: the stub of an address (the client's channel to it, interceptors on).
-        metadata: the call metadata (authorization) every stream is opened with.
+        metadata_of: the call metadata (authorization, the replica named there) a stream
+            to an address is opened with.
         timeout: the most seconds a Step waits for its answer on a stream.
     """
 
-    def __init__(self, stub_of: Callable[[str], Any], metadata: Any, timeout: float) -> None:
+    def __init__(
+        self, stub_of: Callable[[str], Any], metadata_of: Callable[[str], Any], timeout: float
+    ) -> None:
         self._stub_of = stub_of
-        self._metadata = metadata
+        self._metadata_of = metadata_of
         self.timeout = timeout
         self._streams: dict[str, _Stream] = {}
         self._locks: dict[str, threading.Lock] = {}
@@ -133,7 +136,7 @@ class StepCarrier:
         return answer
 
     def _open(self, address: str) -> _Stream:
-        stream = _Stream(self._stub_of(address), self._metadata)
+        stream = _Stream(self._stub_of(address), self._metadata_of(address))
         self._streams[address] = stream
         self.opened += 1
         if self._watchdog is None:

@@ -30,6 +30,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FENCE_UNPROVEN: _ClassVar[ErrorReason]
     UNCOUNTED_BLOCKS: _ClassVar[ErrorReason]
     HIT_BLOCK_TAKEN: _ClassVar[ErrorReason]
+    WRONG_REPLICA: _ClassVar[ErrorReason]
 REASON_UNSPECIFIED: ErrorReason
 INSTANCE_CHANGED: ErrorReason
 INCARNATION_CHANGED: ErrorReason
@@ -51,6 +52,7 @@ BLOCK_NOT_RETAINED: ErrorReason
 FENCE_UNPROVEN: ErrorReason
 UNCOUNTED_BLOCKS: ErrorReason
 HIT_BLOCK_TAKEN: ErrorReason
+WRONG_REPLICA: ErrorReason
 
 class FullAttentionSpec(_message.Message):
     __slots__ = ("block_size", "num_kv_heads", "head_size", "dtype", "use_mla", "sink_len")
@@ -197,7 +199,7 @@ class Fence(_message.Message):
     def __init__(self, instance_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., position: _Optional[int] = ..., term: _Optional[int] = ..., position_tag: _Optional[bytes] = ...) -> None: ...
 
 class PoolInfo(_message.Message):
-    __slots__ = ("name", "config", "coordinator", "num_free_blocks", "usage", "num_requests", "fence", "replica")
+    __slots__ = ("name", "config", "coordinator", "num_free_blocks", "usage", "num_requests", "fence", "replica", "replica_name")
     NAME_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_FIELD_NUMBER: _ClassVar[int]
@@ -206,6 +208,7 @@ class PoolInfo(_message.Message):
     NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     FENCE_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_NAME_FIELD_NUMBER: _ClassVar[int]
     name: str
     config: PoolConfig
     coordinator: str
@@ -214,7 +217,8 @@ class PoolInfo(_message.Message):
     num_requests: int
     fence: Fence
     replica: str
-    def __init__(self, name: _Optional[str] = ..., config: _Optional[_Union[PoolConfig, _Mapping]] = ..., coordinator: _Optional[str] = ..., num_free_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., num_requests: _Optional[int] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ..., replica: _Optional[str] = ...) -> None: ...
+    replica_name: str
+    def __init__(self, name: _Optional[str] = ..., config: _Optional[_Union[PoolConfig, _Mapping]] = ..., coordinator: _Optional[str] = ..., num_free_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., num_requests: _Optional[int] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ..., replica: _Optional[str] = ..., replica_name: _Optional[str] = ...) -> None: ...
 
 class CreatePoolRequest(_message.Message):
     __slots__ = ("name", "config")

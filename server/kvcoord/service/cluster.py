@@ -38,8 +38,9 @@ from kvcoord.v1 import allocator_pb2 as pb
 from .cluster_recover import ClusterRecovery
 from .cluster_store import ClusterError
 from .cluster_watch import follow_changes
+from .errors import REPLICA_METADATA_KEY
 from .handover_parts import HandoverPauses, send_state
-from .ownership import Claim, Member
+from .ownership import Claim, Member, replica_name
 from .tasks import cancel_and_wait, uncancelled
 
 __all__ = ["Cluster", "ClusterError"]
@@ -293,7 +294,7 @@ class Cluster(ClusterRecovery):
                     state,
                     self.max_message_bytes,
                     limit,
-                    self.peer_metadata,
+                    self.metadata_for(target.replica_id),
                     f"{target.replica_id!r} at {target.address}",
                 )
             del state  # (not held while the handover ends)
@@ -318,6 +319,13 @@ class Cluster(ClusterRecovery):
         for fn in self.on_change:
             fn()
         return True
+
+    def metadata_for(self, replica_id: str) -> tuple[tuple[str, str], ...]:
+        """The metadata of a call to replica ``replica_id``: the full-access token, and
+        the replica named (``kvcoord-replica``): a server that took a dead member's
+        address over refuses it (WRONG_REPLICA) instead of adopting or scoring a pool of
+        the same name."""
+        return (*self.peer_metadata, (REPLICA_METADATA_KEY, replica_name(self.view.cluster, replica_id)))
 
     def peer_channel(self, address: str) -> grpc.aio.Channel:
         """A channel to another replica: TLS when the replicas serve TLS ([server.tls])."""

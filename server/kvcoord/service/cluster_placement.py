@@ -18,6 +18,7 @@ from .access import AccessControl
 from .cluster import Cluster
 from .errors import ErrorReason, ServiceError, Status, map_errors
 from .handover_parts import accepted, assemble, check_header
+from .ownership import check_addressed, replica_name
 from .registry import Placement, PoolRegistry
 from .tasks import CallCancelled, uncancelled
 
@@ -82,6 +83,7 @@ class ClusterPlacement(Placement):
         self.cluster = cluster
         self.registry = registry
         self.replica_id = cluster.me.replica_id
+        self.name = replica_name(cluster.view.cluster, cluster.me.replica_id)
 
     def _stopped(self) -> bool:
         """The cluster stopped (its store client closed): a store call's failure says so."""
@@ -396,12 +398,16 @@ class ReplicasServicer(pb_grpc.ReplicasServicer):
         self.created = created
 
     def between_replicas(self, context: grpc.aio.ServicerContext, call: str) -> None:
-        """Refuse ``call`` unless its caller holds a full-access token (another replica).
+        """Refuse ``call`` unless it is meant for this replica (the one it names, if any:
+        ownership.check_addressed) and its caller holds a full-access token (another
+        replica).
 
         Raises:
-            ServiceError: PERMISSION_DENIED.
+            ServiceError: UNAVAILABLE (WRONG_REPLICA), PERMISSION_DENIED.
         """
-        caller = self.access.authenticate(context.invocation_metadata(), context.auth_context)
+        metadata = context.invocation_metadata() or ()
+        check_addressed(metadata, self.placement.name)
+        caller = self.access.authenticate(metadata, context.auth_context)
         if not caller.full_access:
             raise ServiceError(Status.DENIED, f"{call} is between replicas: it needs a full-access token")
 

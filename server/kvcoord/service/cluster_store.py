@@ -94,7 +94,7 @@ class ClusterStore:
         self.lease_seconds = lease_seconds
         self.timeout = timeout
         self.clock = clock
-        self.view = Ownership(me, clock)
+        self.view = Ownership(me, clock, name)
         self.client: Any = None
         #: clients replaced by :meth:`reconnect`, each closed once its calls had their time
         self.retired: set[asyncio.Task[None]] = set()

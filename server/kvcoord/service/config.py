@@ -187,10 +187,15 @@ class ClusterSettings:
             raise ConfigFileError("cluster.store_snapshot_records must be >= 1")
         if self.store_timeout_seconds <= 0:
             raise ConfigFileError("cluster.store_timeout_seconds must be > 0")
-        if not self.name or "/" in self.name:
-            raise ConfigFileError(f"cluster.name must be non-empty without '/', got {self.name!r}")
-        if "/" in self.replica_id:
-            raise ConfigFileError(f"cluster.replica_id must not contain '/', got {self.replica_id!r}")
+        # (both travel in gRPC metadata, "<name>/<replica_id>": printable ASCII only)
+        if not self.name or "/" in self.name or not _printable(self.name):
+            raise ConfigFileError(
+                f"cluster.name must be non-empty printable ASCII without '/' or spaces, got {self.name!r}"
+            )
+        if "/" in self.replica_id or not _printable(self.replica_id):
+            raise ConfigFileError(
+                f"cluster.replica_id must be printable ASCII without '/' or spaces, got {self.replica_id!r}"
+            )
         for e in self.endpoints:
             host, _, port = e.rpartition(":")
             if not host or not port.isdigit():
@@ -199,6 +204,11 @@ class ClusterSettings:
     @property
     def enabled(self) -> bool:
         return bool(self.endpoints)
+
+
+def _printable(text: str) -> bool:
+    """Printable ASCII without spaces (what gRPC metadata carries as it is)."""
+    return all("!" <= ch <= "~" for ch in text)
 
 
 def _cluster(d: Mapping[str, Any]) -> ClusterSettings:

@@ -22,6 +22,8 @@ from .journal import JournalError
 __all__ = [
     "MAX_MESSAGE_CHARS",
     "OWNER_METADATA_KEY",
+    "OWNER_REPLICA_METADATA_KEY",
+    "REPLICA_METADATA_KEY",
     "REASON_METADATA_KEY",
     "STOPPING_AFTER_JOURNAL_FAILURE",
     "ErrorReason",
@@ -50,6 +52,10 @@ MAX_MESSAGE_CHARS = 1024
 REASON_METADATA_KEY = "kvcoord-reason"
 #: Trailing-metadata key carrying the owner's address with NOT_OWNER.
 OWNER_METADATA_KEY = "kvcoord-owner"
+#: Trailing-metadata key carrying the owner's "<cluster name>/<replica id>" with NOT_OWNER.
+OWNER_REPLICA_METADATA_KEY = "kvcoord-owner-replica"
+#: Request-metadata key naming the replica a call is meant for (WRONG_REPLICA).
+REPLICA_METADATA_KEY = "kvcoord-replica"
 
 
 class Status(enum.Enum):
@@ -123,6 +129,7 @@ class ErrorReason(enum.Enum):
     FENCE_UNPROVEN = 18
     UNCOUNTED_BLOCKS = 19
     HIT_BLOCK_TAKEN = 20
+    WRONG_REPLICA = 21
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -153,6 +160,7 @@ class ServiceError(Exception):
         reason: for programs, when the caller must do something particular.
         position: the request's server-side position, with SYNC_MISMATCH / REQUEST_UNKNOWN.
         owner: the owning replica's address, with NOT_OWNER.
+        owner_replica: the owning replica's "<cluster name>/<replica id>", with NOT_OWNER.
     """
 
     def __init__(
@@ -162,6 +170,7 @@ class ServiceError(Exception):
         reason: ErrorReason | None = None,
         position: Position | None = None,
         owner: str | None = None,
+        owner_replica: str = "",
     ) -> None:
         if not isinstance(status, Status):
             raise TypeError(f"ServiceError takes a Status (service/errors.py), not {status!r}")
@@ -171,6 +180,7 @@ class ServiceError(Exception):
         self.reason = reason
         self.position = position
         self.owner = owner
+        self.owner_replica = owner_replica
 
     @property
     def code(self) -> grpc.StatusCode:
@@ -221,7 +231,9 @@ def _trailers(exc: BaseException) -> tuple[tuple[str, str], ...]:
         return ()
     owner = getattr(exc, "owner", None)
     if owner:
-        return ((REASON_METADATA_KEY, reason.name), (OWNER_METADATA_KEY, owner))
+        replica = getattr(exc, "owner_replica", "")
+        named = ((OWNER_REPLICA_METADATA_KEY, replica),) if replica else ()
+        return ((REASON_METADATA_KEY, reason.name), (OWNER_METADATA_KEY, owner), *named)
     return ((REASON_METADATA_KEY, reason.name),)
 
 

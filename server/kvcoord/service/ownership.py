@@ -30,18 +30,20 @@ import json
 import time
 from collections.abc import Callable, Iterable, Mapping
 
-from .errors import ErrorReason, ServiceError, Status
+from .errors import REPLICA_METADATA_KEY, ErrorReason, ServiceError, Status
 
 __all__ = [
     "Claim",
     "Member",
     "Ownership",
+    "check_addressed",
     "decode_claim",
     "decode_member",
     "encode_claim",
     "encode_member",
     "moved_pools",
     "owner_of",
+    "replica_name",
     "score",
 ]
 
@@ -131,11 +133,14 @@ class Ownership:
     Args:
         me: this replica.
         clock: monotonic seconds (what :attr:`valid_until` is counted in).
+        cluster: the cluster's name (a redirect names its owner as
+            ``"<cluster>/<replica id>"``: :func:`replica_name`).
     """
 
-    def __init__(self, me: Member, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, me: Member, clock: Callable[[], float] = time.monotonic, cluster: str = "") -> None:
         self.me = me
         self.clock = clock
+        self.cluster = cluster
         #: the live members by replica id, as last read from the store
         self.members: dict[str, Member] = {}
         #: every pool's claim, as last read from the store
@@ -289,12 +294,12 @@ class Ownership:
         if claim is not None:
             if claim.replica_id == self.me.replica_id:
                 return
-            raise not_owner(pool, claim.replica_id, claim.address, self.me.replica_id)
+            raise not_owner(pool, claim.replica_id, claim.address, self.me.replica_id, self.cluster)
         placed = owner_of(pool, self.members.values())
         if placed is None:
             raise ServiceError(Status.UNAVAILABLE, "the cluster has no live member (the store lists none)")
         if placed.replica_id != self.me.replica_id:
-            raise not_owner(pool, placed.replica_id, placed.address, self.me.replica_id)
+            raise not_owner(pool, placed.replica_id, placed.address, self.me.replica_id, self.cluster)
         if local:
             raise ServiceError(
                 Status.UNAVAILABLE,
@@ -320,13 +325,45 @@ class Ownership:
         }
 
 
-def not_owner(pool: str, replica_id: str, address: str, me: str) -> ServiceError:
-    """The redirect: FAILED_PRECONDITION, NOT_OWNER, naming the owner (in the
-    ``kvcoord-owner`` trailer and the message)."""
+def not_owner(pool: str, replica_id: str, address: str, me: str, cluster: str = "") -> ServiceError:
+    """The redirect: FAILED_PRECONDITION, NOT_OWNER, naming the owner (its address in
+    the ``kvcoord-owner`` trailer and the message, its :func:`replica_name` in
+    ``kvcoord-owner-replica``: the client names it in the calls it sends there)."""
     return ServiceError(
         Status.PRECONDITION,
         f"pool {pool[:200]!r} is served by replica {replica_id!r} at {address}, not by {me!r}: "
         "send the call there",
         ErrorReason.NOT_OWNER,
         owner=address,
+        owner_replica=replica_name(cluster, replica_id),
     )
+
+
+def replica_name(cluster: str, replica_id: str) -> str:
+    """How a replica is named to clients: ``"<cluster>/<replica id>"``."""
+    return f"{cluster}/{replica_id}"
+
+
+def check_addressed(metadata: Iterable[tuple[str, str | bytes]], me: str) -> None:
+    """A call whose request ``metadata`` may name the replica it is meant for
+    (``kvcoord-replica``: as a redirect or a pool description named the replica at that
+    address; absent, it names none) reached the server ``me`` (its :func:`replica_name`;
+    "" outside a cluster). A call meant for another replica came
+    to an address that replica no longer has (it stopped or moved, and this server
+    listens there now, perhaps in another cluster with a pool of the same name): it is
+    refused before anything is read or changed, so its client never attaches to,
+    allocates from or hits in a pool that is not the one it was sent to.
+
+    Raises:
+        ServiceError: UNAVAILABLE, WRONG_REPLICA.
+    """
+    named = next((v for k, v in metadata if k == REPLICA_METADATA_KEY), "")
+    if isinstance(named, bytes):
+        named = named.decode(errors="replace")
+    if named and named != me:
+        raise ServiceError(
+            Status.UNAVAILABLE,
+            f"this call is meant for replica {named[:300]!r}, which this server is not: the address it was "
+            "sent to is not that replica's any more (nothing was applied; ask another replica of the set)",
+            ErrorReason.WRONG_REPLICA,
+        )

@@ -54,6 +54,8 @@ class Placement:
 
     #: this replica's id in pool listings ("" on a single node)
     replica_id = ""
+    #: how calls name this replica (``kvcoord-replica``: "<cluster>/<id>"; "" on a single node)
+    name = ""
 
     def check(self, pool: str, local: bool) -> None:
         """Pass when this server may serve ``pool`` (``local``: it holds its state).

@@ -315,10 +315,11 @@ class ClusterScores:
                 await self._channels.pop(gone).close()
             channel = self._channels[address] = self.cluster.peer_channel(address)
         stub = pb_grpc.ReplicasStub(channel)  # type: ignore[no-untyped-call]
+        named = next((m.replica_id for m in self.cluster.view.members.values() if m.address == address), "")
         answer: pb.ScorePoolsResponse = await stub.ScoreForTenant(
             pb.ScoreForTenantRequest(tenant=tenant.name, request=part),
             timeout=wait,
-            metadata=self.cluster.peer_metadata,
+            metadata=self.cluster.metadata_for(named) if named else self.cluster.peer_metadata,
         )
         return answer
 

@@ -94,6 +94,7 @@ def add_servicer(
             servicer.check_serving,
             servicer.registry.limits,
             servicer.wait_for_pools,
+            lambda: servicer.registry.placement.name,
         )
         factory = (
             grpc.unary_stream_rpc_method_handler

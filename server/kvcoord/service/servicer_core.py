@@ -93,6 +93,7 @@ class ServicerCore:
             num_requests=p.num_requests,
             fence=fence_to_pb(p.fence),
             replica=self.registry.placement.replica_id,
+            replica_name=self.registry.placement.name,
         )
 
     async def restore_fenced(self) -> None:

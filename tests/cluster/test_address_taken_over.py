@@ -46,6 +46,8 @@ def test_a_server_at_a_dead_owners_address_is_never_taken_for_it(
             )
             d = direct.attach(pool, "sha256_cbor", 4, "0")  # (its answer names the replica that gave it)
             assert direct.routes.named == {dead: f"{cluster}/r1"}
+            with KVCoordClient(procs["r0"].address, cluster=cluster) as seeded:  # cluster/* accepted
+                assert seeded.get_stats(pool).num_requests == 1
 
             procs["r1"].proc.kill()  # SIGKILL: its claim (lease 10 s) still names its address
             procs["r1"].proc.wait(10)
@@ -65,6 +67,10 @@ def test_a_server_at_a_dead_owners_address_is_never_taken_for_it(
             with pytest.raises(KVCoordError):
                 direct.allocate(pool, allocate("d", list(range(5)), 5).allocate, d.session_id, d.fence)
             direct.close()
+            with KVCoordClient([dead, procs["r0"].address], cluster=cluster, retry=NO_RETRY) as fresh:
+                with pytest.raises(KVCoordError):  # its first call: to an address never answered from
+                    fresh.get_stats(pool)
+                assert fresh.routes.route(pool) != dead  # (refused there: asked elsewhere)
             with KVCoordClient(dead, retry=NO_RETRY) as named:
                 named.routes.named[dead] = f"{cluster}/r1"  # as a redirect named it
                 with pytest.raises(WrongReplicaError):

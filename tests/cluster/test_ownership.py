@@ -234,9 +234,10 @@ def test_a_call_is_served_only_by_the_replica_it_names() -> None:
     check_addressed((("authorization", "Bearer t"),), "k/r0")  # named nobody: any server
     check_addressed((("kvcoord-replica", "k/r1"),), "k/r1")
     check_addressed((("kvcoord-replica", b"k/r1"),), "k/r1")
-    for me in ("k/r0", "other/r1", ""):  # another replica, another cluster, a single node
-        with pytest.raises(ServiceError) as refused:
-            check_addressed((("kvcoord-replica", "k/r1"),), me)
+    check_addressed((("kvcoord-replica", "k/*"),), "k/r0")  # any replica of cluster k
+    for named, me in [("k/r1", "k/r0"), ("k/r1", "other/r1"), ("k/r1", ""), ("k/*", "other/r0"), ("k/*", "")]:
+        with pytest.raises(ServiceError) as refused:  # another replica, another cluster, a single node
+            check_addressed((("kvcoord-replica", named),), me)
         assert (
             refused.value.reason is ErrorReason.WRONG_REPLICA
             and refused.value.code == grpc.StatusCode.UNAVAILABLE

@@ -536,3 +536,17 @@ def test_a_call_meant_for_another_replica_is_refused_before_it_is_read(
         return "served"
 
     assert asyncio.run(main()) == "WRONG_REPLICA"
+
+
+def test_a_client_given_a_cluster_name_is_refused_by_a_server_of_none(server: InProcessServer) -> None:
+    """``cluster="k"``: every call names any replica of cluster k (``k/*``) until an
+    answer names one, so a single node (or another cluster's replica) refuses the very
+    first call; a name that cannot travel in metadata is refused at once."""
+    from kvcoord.client import WrongReplicaError
+
+    with KVCoordClient(server.address, timeout=10, retry=NO_RETRY, cluster="k") as c:
+        with pytest.raises(WrongReplicaError):
+            c.attach("p", "sha256_cbor", 4, "0")
+    for bad in ("a b", "k/r1", "caf\u00e9"):
+        with pytest.raises(ValueError, match="cluster"):
+            KVCoordClient(server.address, cluster=bad)

@@ -161,6 +161,7 @@ class Api:
         interceptors: Sequence[Any] = (),
         tls: TLSOptions | None = None,
         step_piece_bytes: int = DEFAULT_STEP_PIECE_BYTES,
+        cluster: str = "",
     ) -> None:
         """Open a channel to ``target`` (``host:port`` or ``unix:/path``), or to a
         replica set: a list of addresses (or one string of them, comma-separated), or
@@ -182,10 +183,20 @@ class Api:
             step_piece_bytes: a Step serialized larger than this is sent as several
                 Steps of whole operations, answered as one (:mod:`kvcoord.client.step_pieces`;
                 0: never split).
+            cluster: the name of the cluster the replica set is (its ``[cluster] name``;
+                "": not checked): every call to an address no redirect or answer has named
+                a replica for names the cluster (``kvcoord-replica: <cluster>/*``), so a
+                server of another cluster, or of none, refuses it (WRONG_REPLICA) even
+                before the client's first answer from that address.
 
         Raises:
-            ValueError: a TLS file is unreadable or invalid (named in the message).
+            ValueError: a TLS file is unreadable or invalid (named in the message), or
+                ``cluster`` is not printable ASCII without '/' or spaces.
         """
+        if cluster and not all("!" <= ch <= "~" and ch != "/" for ch in cluster):
+            raise ValueError(f"cluster must be printable ASCII without '/' or spaces, got {cluster!r}")
+        #: what a call to an address naming no replica names: any replica of the cluster
+        self._any_replica = f"{cluster}/*" if cluster else ""
         #: the replica set and each pool's owner as last learned (owners.py)
         self.routes = Routes(target)
         self.target = target if isinstance(target, str) else ",".join(target)
@@ -220,10 +231,11 @@ class Api:
         return got
 
     def _metadata_at(self, address: str) -> Any:
-        """The metadata of a call to ``address``: the token, and the replica a redirect
-        named there (``kvcoord-replica``: any other server refuses the call,
-        WRONG_REPLICA, so an address the replica left is never taken for it)."""
-        named = self.routes.named.get(address)
+        """The metadata of a call to ``address``: the token, and the replica named there
+        (a redirect's, an answer's; else any replica of the ``cluster`` given) in
+        ``kvcoord-replica``: any other server refuses the call, WRONG_REPLICA, so an
+        address the replica left is never taken for it."""
+        named = self.routes.named.get(address) or self._any_replica
         if not named:
             return self._metadata
         return (*(self._metadata or ()), (REPLICA_METADATA_KEY, named))

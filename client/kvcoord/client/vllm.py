@@ -118,6 +118,10 @@ class Settings:
         max_outage: seconds the scheduler keeps trying again while the server cannot be
             reached, is in its grace period or has lost the pool
             (``KVCOORD_MAX_OUTAGE``, default 600); then the error reaches vLLM.
+        cluster: the ``[cluster] name`` of the replica set ``target`` names
+            (``KVCOORD_CLUSTER``, default none): every call names it, so a server of
+            another cluster, or of none, at one of its addresses refuses the call
+            (``KVCoordClient``'s ``cluster``).
     """
 
     target: str
@@ -129,6 +133,7 @@ class Settings:
     exclusive: bool = True
     predict: bool = True
     max_outage: float = 600.0
+    cluster: str = ""
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> Settings:
@@ -146,6 +151,7 @@ class Settings:
             exclusive=e.get("KVCOORD_EXCLUSIVE", "1").lower() not in ("0", "false", "no"),
             predict=e.get("KVCOORD_PREDICT", "1").lower() not in ("0", "false", "no", ""),
             max_outage=float(e.get("KVCOORD_MAX_OUTAGE", "600")),
+            cluster=e.get("KVCOORD_CLUSTER", ""),
         )
 
 
@@ -234,7 +240,9 @@ def attach_manager(
     c = (
         client
         if client is not None
-        else KVCoordClient(settings.target, timeout=settings.timeout, token=settings.token)
+        else KVCoordClient(
+            settings.target, timeout=settings.timeout, token=settings.token, cluster=settings.cluster
+        )
     )
     # The pool's block ids are slots of this engine's KV memory, so the engine's own pool
     # (KVCOORD_EXCLUSIVE=1) caches only what that memory holds: every Attach, this

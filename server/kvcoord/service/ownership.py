@@ -347,11 +347,12 @@ def replica_name(cluster: str, replica_id: str) -> str:
 def check_addressed(metadata: Iterable[tuple[str, str | bytes]], me: str) -> None:
     """A call whose request ``metadata`` may name the replica it is meant for
     (``kvcoord-replica``: as a redirect or a pool description named the replica at that
-    address; absent, it names none) reached the server ``me`` (its :func:`replica_name`;
-    "" outside a cluster). A call meant for another replica came
-    to an address that replica no longer has (it stopped or moved, and this server
-    listens there now, perhaps in another cluster with a pool of the same name): it is
-    refused before anything is read or changed, so its client never attaches to,
+    address; ``"<cluster>/*"``: any replica of a cluster, as a client given the cluster's
+    name sends before it knows which one an address is; absent: none) reached the server
+    ``me`` (its :func:`replica_name`; "" outside a cluster). A call meant for another
+    replica came to an address that replica no longer has (it stopped or moved, and this
+    server listens there now, perhaps in another cluster with a pool of the same name):
+    it is refused before anything is read or changed, so its client never attaches to,
     allocates from or hits in a pool that is not the one it was sent to.
 
     Raises:
@@ -360,10 +361,13 @@ def check_addressed(metadata: Iterable[tuple[str, str | bytes]], me: str) -> Non
     named = next((v for k, v in metadata if k == REPLICA_METADATA_KEY), "")
     if isinstance(named, bytes):
         named = named.decode(errors="replace")
-    if named and named != me:
-        raise ServiceError(
-            Status.UNAVAILABLE,
-            f"this call is meant for replica {named[:300]!r}, which this server is not: the address it was "
-            "sent to is not that replica's any more (nothing was applied; ask another replica of the set)",
-            ErrorReason.WRONG_REPLICA,
-        )
+    if not named or named == me:
+        return
+    if named.endswith("/*") and me and me.partition("/")[0] == named[:-2]:
+        return  # any replica of this replica's cluster
+    raise ServiceError(
+        Status.UNAVAILABLE,
+        f"this call is meant for replica {named[:300]!r}, which this server is not: the address it was "
+        "sent to is not that replica's any more (nothing was applied; ask another replica of the set)",
+        ErrorReason.WRONG_REPLICA,
+    )

@@ -208,7 +208,28 @@ def test_settings_from_env() -> None:
     with pytest.raises(ValueError, match="KVCOORD_TARGET"):
         Settings.from_env({})
     s = Settings.from_env({"KVCOORD_TARGET": "h:1", "KVCOORD_CREATE_POOL": "0", "KVCOORD_TOKEN": "t"})
-    assert (s.target, s.pool, s.token, s.create_pool) == ("h:1", "vllm", "t", False)
+    assert (s.target, s.pool, s.token, s.create_pool, s.cluster) == ("h:1", "vllm", "t", False, "")
+    assert Settings.from_env({"KVCOORD_TARGET": "h:1", "KVCOORD_CLUSTER": "prod"}).cluster == "prod"
+
+
+def test_an_engine_given_a_cluster_name_is_refused_by_a_server_of_none(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """KVCOORD_CLUSTER: the engine's every call names a replica of that cluster, so a
+    server of no cluster at the target refuses its first call (WRONG_REPLICA), before
+    any pool is made or attached there."""
+    from kvcoord.client import KVCoordClient, WrongReplicaError
+
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    server = InProcessServer().start()
+    try:
+        kv, cfg = engine()
+        with pytest.raises(WrongReplicaError):
+            connect(Settings(target=server.address, pool="named", cluster="prod"), kv, cfg)
+        with KVCoordClient(server.address) as plain:
+            assert list(plain.list_pools().pools) == []  # nothing made there
+    finally:
+        server.stop()
 
 
 def test_stats_and_events_convert() -> None:

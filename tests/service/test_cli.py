@@ -724,3 +724,22 @@ def test_client_commands_need_no_server_modules() -> None:
     e["PYTHONPATH"] = str(ROOT / "client")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=e, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_a_command_given_a_cluster_name_is_refused_by_a_server_of_none(
+    server: DurableServer, client: KVCoordClient
+) -> None:
+    """`--cluster prod` (or KVCOORD_CLUSTER): every call names a replica of cluster prod,
+    so a server of no cluster at --target refuses it (server unreachable, exit 6, one
+    line naming the replica meant) and nothing is deleted; a name that cannot travel in
+    metadata is a usage error (exit 2)."""
+    made = run(server, "pools", "create", "cli-named", "--num-blocks", "33", "--block-size", "8")
+    assert made.returncode == 0, made.stderr
+    refused = run(server, "pools", "delete", "cli-named", "--yes", "--cluster", "prod")
+    assert refused.returncode == cli_common.EXIT_UNREACHABLE, refused.stderr
+    assert "'prod/*'" in one_line_error(refused)
+    by_env = kvcoord("status", KVCOORD_TARGET=server.address, KVCOORD_TOKEN=TOKEN, KVCOORD_CLUSTER="prod")
+    assert by_env.returncode == cli_common.EXIT_UNREACHABLE, by_env.stderr
+    assert "cli-named" in [p.name for p in client.list_pools().pools]
+    bad = run(server, "status", "--cluster", "a b")
+    assert bad.returncode == cli_common.EXIT_USAGE and "cluster" in one_line_error(bad)

@@ -116,12 +116,15 @@ class Connection:
     timeout: float
     tls: TLSOptions | None
     as_json: bool
+    cluster: str = ""
 
     def open(self, **kw: Any) -> KVCoordClient:
-        """A client of the target (``kw``: more of its arguments); a bad TLS file is a
-        usage failure."""
+        """A client of the target (``kw``: more of its arguments); a bad TLS file or
+        cluster name is a usage failure."""
         try:
-            return KVCoordClient(self.target, timeout=self.timeout, token=self.token, tls=self.tls, **kw)
+            return KVCoordClient(
+                self.target, timeout=self.timeout, token=self.token, tls=self.tls, cluster=self.cluster, **kw
+            )
         except ValueError as exc:
             raise CliFailure(str(exc), EXIT_USAGE) from None
 
@@ -180,6 +183,16 @@ def connection_options(default_timeout: float = 5.0) -> Callable[[_F], _F]:
                 ),
             ),
             click.option(
+                "--cluster",
+                default="",
+                envvar="KVCOORD_CLUSTER",
+                metavar="NAME",
+                help=(
+                    "the [cluster] name of the replicas --target names: a server of another cluster, or "
+                    "of none, at one of those addresses refuses every call; env KVCOORD_CLUSTER"
+                ),
+            ),
+            click.option(
                 "--token",
                 envvar="KVCOORD_TOKEN",
                 help="bearer token, when the server sets auth_tokens; env KVCOORD_TOKEN",
@@ -202,7 +215,14 @@ def connection_options(default_timeout: float = 5.0) -> Callable[[_F], _F]:
                 )
             except ValueError as exc:
                 raise CliFailure(str(exc), EXIT_USAGE) from None
-            conn = Connection(kw.pop("target"), kw.pop("token"), kw.pop("timeout"), tls, kw.pop("as_json"))
+            conn = Connection(
+                kw.pop("target"),
+                kw.pop("token"),
+                kw.pop("timeout"),
+                tls,
+                kw.pop("as_json"),
+                kw.pop("cluster"),
+            )
             return func(conn=conn, **kw)
 
         wrapper.__name__ = func.__name__

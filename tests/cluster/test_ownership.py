@@ -169,6 +169,7 @@ def test_cluster_config_file_and_environment() -> None:
         'name = "caf\u00e9"',
         'replica_id = "r 1"',
         'replica_id = "r\u00e9"',
+        'replica_id = "*"',
     )  # (metadata)
     for bad in (
         'endpoints = "h:1"',

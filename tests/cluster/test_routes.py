@@ -269,3 +269,24 @@ def test_an_answer_describing_its_pool_names_the_replica_that_gave_it() -> None:
     plain = pb.GetPoolResponse(pool=pb.PoolInfo(name="p"))
     routes.answered("GetPool", pb.GetPoolRequest(name="p"), plain, "p", "b:1")
     assert routes.named == {"a:1": "k/r0"}
+
+
+def test_a_refusal_as_another_replica_renames_the_address_for_its_cluster() -> None:
+    """After WRONG_REPLICA at an address named "k/r1", calls there name "k/*": a replica
+    of cluster k given that address since (a recycled pod IP) serves them, any other
+    server still refuses (was: "k/r1", refused there for good). A call naming no pool
+    (ScorePools, ListPools) goes to the next replica at once too."""
+    from kvcoord.client import WrongReplicaError
+    from kvcoord.client.owners import AGAIN
+
+    routes = Routes(["a:1", "b:1"], lambda e: [e], Clock())
+    routes.listed("p", "a:1", "k/r1")
+    wrong = WrongReplicaError(grpc.StatusCode.UNAVAILABLE, "meant for 'k/r1'", "WRONG_REPLICA")
+    assert routes.failed(wrong, "", "a:1", 0, "read") == AGAIN  # (no pool named)
+    assert routes.named == {"a:1": "k/*"} and routes.primary == "b:1"
+    assert routes.failed(wrong, "p", "a:1", 0, "once") == AGAIN
+    assert routes.named == {"a:1": "k/*"}  # (a cluster's name stays: refused by any other server)
+    lone = Routes(["a:1"], lambda e: [e], Clock())
+    lone.listed("p", "a:1", "k/r1")
+    assert lone.failed(wrong, "p", "a:1", 0, "read") == ""  # the policy decides: the same address, renamed
+    assert lone.named == {"a:1": "k/*"}

@@ -550,3 +550,31 @@ def test_a_client_given_a_cluster_name_is_refused_by_a_server_of_none(server: In
     for bad in ("a b", "k/r1", "caf\u00e9"):
         with pytest.raises(ValueError, match="cluster"):
             KVCoordClient(server.address, cluster=bad)
+
+
+def test_a_watch_and_a_listing_refused_as_another_replica(
+    server: InProcessServer, client: KVCoordClient
+) -> None:
+    """WatchEvents refused WRONG_REPLICA names the address and tells the routes (the name
+    there becomes its cluster's); a listing over a replica set asks such an address once
+    more under that name, then leaves it out (a server of no cluster: no replica)."""
+    from kvcoord.client import WrongReplicaError
+    from kvcoord.v1 import allocator_pb2 as pb
+
+    config = pb.PoolConfig(num_blocks=8, hash_block_size=4, groups=[
+        pb.KVCacheGroupSpec(full=pb.FullAttentionSpec(block_size=4))])  # fmt: skip
+    client.create_pool("w1", config)
+    other = InProcessServer().start()
+    try:
+        with KVCoordClient(other.address) as o:
+            o.create_pool("w2", config)
+        with KVCoordClient([server.address, other.address], timeout=10, retry=NO_RETRY) as c:
+            c.routes.named[server.address] = "k/r9"
+            with pytest.raises(WrongReplicaError) as refused:
+                next(iter(c.watch_events("w1", timeout=5)))
+            assert refused.value.address == server.address and c.routes.named[server.address] == "k/*"
+            c.routes.named[server.address] = "k/r9"
+            assert [p.name for p in c.list_pools().pools] == ["w2"]
+            assert c.routes.named[server.address] == "k/*"
+    finally:
+        other.stop()

@@ -15,7 +15,7 @@ from kvcoord.v1 import allocator_pb2 as pb
 from . import _requests as rq
 from . import given_up
 from .api import LIST_POOLS, AsyncApi, Call, Coro, Req, Resp, Rpc, merged
-from .errors import KVCoordError, OutcomeUnknownError, WrongReplicaError, error_from_rpc
+from .errors import KVCoordError, OutcomeUnknownError, error_from_rpc
 from .step_pieces import (
     free_pieces,
     inspect_pieces,
@@ -175,7 +175,8 @@ class AsyncKVCoordClient(AsyncApi):
     def list_pools(self) -> Coro[pb.ListPoolsResponse]:
         """Every pool, in name order; of a replica set, every replica's (each replica
         lists the pools it serves; one that fails to answer fails the call, one refusing it
-        as another replica than the one named there, WRONG_REPLICA, is left out)."""
+        as another replica than the one named there, WRONG_REPLICA, is asked again once
+        naming any replica of that cluster, then left out)."""
         return self._list_pools()
 
     async def _list_pools(self) -> pb.ListPoolsResponse:
@@ -183,25 +184,27 @@ class AsyncKVCoordClient(AsyncApi):
             return await self.unary(LIST_POOLS, pb.ListPoolsRequest())
         answers = []
         for address in list(self.routes.addresses):
-            try:
-                answer = await self._listed_at(address)
-            except grpc.RpcError as exc:
-                err = error_from_rpc(exc, "ListPools")
-                if isinstance(err, WrongReplicaError):  # not a replica of the set any more
-                    continue
-                raise err from None
-            answers.append((address, answer))
+            for again in (True, False):
+                try:
+                    answers.append((address, await self._listed_at(address)))
+                except grpc.RpcError as exc:
+                    err = self._listing_refused(exc, address, again)
+                    if err is not None:
+                        raise err from None
+                    if again:
+                        continue
+                break
         return merged(self.routes, answers)
 
     async def watch_events(
         self, pool: str, after_sequence: int = 0, fence: pb.Fence | None = None
     ) -> AsyncIterator[pb.WatchEventsResponse]:
         """Stream KV events after ``after_sequence`` until cancelled or the server stops."""
-        stream = self._watch(pool, after_sequence, fence)
+        address, stream = self._watch(pool, after_sequence, fence)
         try:
             async for item in stream:
                 yield item
         except grpc.RpcError as exc:
-            raise error_from_rpc(exc) from None
+            raise self._watch_failed(exc, pool, address) from None
         finally:
             stream.cancel()

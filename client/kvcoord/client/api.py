@@ -23,7 +23,7 @@ from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
 
 from . import _requests as rq
 from . import given_up
-from .errors import REPLICA_METADATA_KEY, KVCoordError
+from .errors import REPLICA_METADATA_KEY, KVCoordError, WrongReplicaError, error_from_rpc
 from .owners import AGAIN, SETTLE, Routes
 from .retry import DEFAULT_RETRY, Attempts, RetryPolicy
 from .step_pieces import DEFAULT_STEP_PIECE_BYTES, ops_cap
@@ -246,11 +246,36 @@ class Api:
             pb.ListPoolsRequest(), timeout=self.timeout, metadata=self._metadata_at(address)
         )
 
-    def _watch(self, pool: str, after_sequence: int, fence: pb.Fence | None, **kw: Any) -> Any:
-        """The WatchEvents stream of ``pool`` at its owner (``kw``: the call's timeout)."""
+    def _watch(self, pool: str, after_sequence: int, fence: pb.Fence | None, **kw: Any) -> tuple[str, Any]:
+        """The address of ``pool``'s owner and its WatchEvents stream there (``kw``: the
+        call's timeout)."""
         request = pb.WatchEventsRequest(pool=pool, after_sequence=after_sequence, fence=fence)
         address = self.routes.route(pool)
-        return self._connection(address)[1].WatchEvents(request, metadata=self._metadata_at(address), **kw)
+        return address, self._connection(address)[1].WatchEvents(
+            request, metadata=self._metadata_at(address), **kw
+        )
+
+    def _watch_failed(self, exc: grpc.RpcError, pool: str, address: str) -> KVCoordError:
+        """A watch's error, naming ``address``; a WRONG_REPLICA refusal is told to the
+        routes (the next watch goes elsewhere) as a call's is."""
+        err = error_from_rpc(exc, "WatchEvents")
+        err.address = address
+        if isinstance(err, WrongReplicaError):
+            self.routes.wrong_replica(pool, address)
+        return err
+
+    def _listing_refused(self, exc: grpc.RpcError, address: str, again: bool) -> KVCoordError | None:
+        """ListPools at ``address`` failed: its error (naming the address), or None when
+        it refused the call as meant for another replica: the routes are told (its name
+        there becomes its cluster's, ``<cluster>/*``), and the listing asks it ``again``
+        once, else leaves it out (no replica of the set)."""
+        err = error_from_rpc(exc, "ListPools")
+        err.address = address
+        if not isinstance(err, WrongReplicaError):
+            return err
+        if again:
+            self.routes.wrong_replica("", address)
+        return None
 
     def _learn(self, rpc: str, response: Any) -> None:
         """What any Attach answer tells the asyncio client, however the Attach was made:
@@ -313,7 +338,8 @@ class Call:
             attempts.note(err)
             step = self.routes.failed(err, self.pool, self.address, self.hops, attempts.kind)
             pause = None if step == AGAIN else attempts.next_sleep(err, changing=step == SETTLE)
-        except KVCoordError as final:
+        except KVCoordError as final:  # (OutcomeUnknownError: a new error, named here too)
+            final.address = final.address or self.address
             given_up.failed(self.rpc, self.request, final)
             raise
         self.hops = self.hops + 1 if pause is None else 0  # redirects are followed again after a pause

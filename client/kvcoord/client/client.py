@@ -18,7 +18,7 @@ from kvcoord.v1 import allocator_pb2 as pb
 
 from . import _requests as rq
 from .api import LIST_POOLS, BlockingApi, Call, Req, Resp, Rpc, merged
-from .errors import WrongReplicaError, error_from_rpc
+from .errors import error_from_rpc
 from .step_pieces import (
     free_pieces,
     inspect_pieces,
@@ -142,19 +142,22 @@ class KVCoordClient(BlockingApi):
     def list_pools(self) -> pb.ListPoolsResponse:
         """Every pool, in name order; of a replica set, every replica's (each replica
         lists the pools it serves; one that fails to answer fails the call, one refusing it
-        as another replica than the one named there, WRONG_REPLICA, is left out)."""
+        as another replica than the one named there, WRONG_REPLICA, is asked again once
+        naming any replica of that cluster, then left out)."""
         if len(self.routes.addresses) == 1:
             return self.unary(LIST_POOLS, pb.ListPoolsRequest())
         answers = []
         for address in list(self.routes.addresses):
-            try:
-                answer = self._listed_at(address)
-            except grpc.RpcError as exc:
-                err = error_from_rpc(exc, "ListPools")
-                if isinstance(err, WrongReplicaError):  # not a replica of the set any more
-                    continue
-                raise err from None
-            answers.append((address, answer))
+            for again in (True, False):
+                try:
+                    answers.append((address, self._listed_at(address)))
+                except grpc.RpcError as exc:
+                    err = self._listing_refused(exc, address, again)
+                    if err is not None:
+                        raise err from None
+                    if again:
+                        continue
+                break
         return merged(self.routes, answers)
 
     def send_step(self, request: pb.StepRequest) -> pb.StepResponse:
@@ -180,12 +183,12 @@ class KVCoordClient(BlockingApi):
         """Stream KV events after ``after_sequence`` (of the history ``fence`` names, when
         resuming); ends when the server stops or ``timeout`` passes. Check ``gap`` and
         ``reset`` on every message."""
-        stream = self._watch(pool, after_sequence, fence, timeout=timeout)
+        address, stream = self._watch(pool, after_sequence, fence, timeout=timeout)
         try:
             yield from stream
         except grpc.RpcError as exc:
             if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
-                raise error_from_rpc(exc) from None
+                raise self._watch_failed(exc, pool, address) from None
         finally:
             stream.cancel()
 

@@ -53,6 +53,7 @@ from .errors import (
     NotOwnerError,
     OwnerChangingError,
     UnavailableError,
+    WrongReplicaError,
     never_sent,
 )
 
@@ -266,6 +267,18 @@ class Routes:
                     self.addresses = [a for a in self.addresses if a != address] + [address]
             self.refresh()
 
+    def wrong_replica(self, pool: str, address: str) -> None:
+        """The server at ``address`` refused a call as meant for another replica than it is
+        (WRONG_REPLICA): treated as unreachable, and from now on calls there name any
+        replica of the cluster the refused name was of (``<cluster>/*``): a replica of that
+        cluster given the address since (a recycled pod IP) serves them again, and any
+        other server still refuses them (was: the old name, refused there for good)."""
+        with self._lock:
+            named = self.named.get(address, "")
+            if named and not named.endswith("/*"):
+                self.named[address] = f"{named.partition('/')[0]}/*"
+        self.unreachable(pool, address)
+
     def failed(self, err: KVCoordError, pool: str, address: str, hops: int, kind: str) -> str:
         """What to do after an attempt at ``address`` failed with ``err``: :data:`AGAIN`
         (a redirect to follow, or another replica to ask at once), :data:`SETTLE`
@@ -280,6 +293,9 @@ class Routes:
         attach_key: the session a lost answer named, as a keyed call's answer) is sent
         at once to the replica now first (its answer says where the pool is; was: an
         Attach waited a backoff of its retry policy first, and with none left failed)."""
+        if isinstance(err, WrongReplicaError):  # (a call naming no pool too: ScorePools, ListPools)
+            self.wrong_replica(pool, address)
+            return AGAIN if hops < MAX_HOPS and self.route(pool) != address else ""
         if not pool:
             return ""
         repeatable = kind in ("read", "keyed", "attach")

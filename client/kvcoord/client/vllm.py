@@ -151,7 +151,7 @@ class Settings:
             exclusive=e.get("KVCOORD_EXCLUSIVE", "1").lower() not in ("0", "false", "no"),
             predict=e.get("KVCOORD_PREDICT", "1").lower() not in ("0", "false", "no", ""),
             max_outage=float(e.get("KVCOORD_MAX_OUTAGE", "600")),
-            cluster=e.get("KVCOORD_CLUSTER", ""),
+            cluster=e.get("KVCOORD_CLUSTER", "").strip(),
         )
 
 

@@ -192,9 +192,10 @@ class ClusterSettings:
             raise ConfigFileError(
                 f"cluster.name must be non-empty printable ASCII without '/' or spaces, got {self.name!r}"
             )
-        if "/" in self.replica_id or not _printable(self.replica_id):
-            raise ConfigFileError(
-                f"cluster.replica_id must be printable ASCII without '/' or spaces, got {self.replica_id!r}"
+        if "/" in self.replica_id or self.replica_id == "*" or not _printable(self.replica_id):
+            raise ConfigFileError(  # ("*" would be "<cluster>/*": any replica)
+                f"cluster.replica_id must be printable ASCII without '/' or spaces, and not '*', got "
+                f"{self.replica_id!r}"
             )
         for e in self.endpoints:
             host, _, port = e.rpartition(":")

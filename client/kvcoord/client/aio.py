@@ -184,16 +184,14 @@ class AsyncKVCoordClient(AsyncApi):
             return await self.unary(LIST_POOLS, pb.ListPoolsRequest())
         answers = []
         for address in list(self.routes.addresses):
-            for again in (True, False):
+            for again in (True, False):  # (a refused one once more, under its cluster's name)
                 try:
                     answers.append((address, await self._listed_at(address)))
+                    break
                 except grpc.RpcError as exc:
                     err = self._listing_refused(exc, address, again)
                     if err is not None:
                         raise err from None
-                    if again:
-                        continue
-                break
         return merged(self.routes, answers)
 
     async def watch_events(
